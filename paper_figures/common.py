@@ -1,0 +1,46 @@
+"""Shared by the figure/table scripts: they read results/ only and write paper_figures/out/ atomically."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import seaborn as sns  # noqa: E402
+
+from mecefo.records import atomic_write_text  # noqa: E402
+
+OUT = Path(__file__).resolve().parent / "out"
+
+
+def style() -> None:
+    sns.set_theme(context="paper", style="whitegrid", font_scale=1.1)
+
+
+def save_figure(fig, name: str) -> list[Path]:
+    """paper_figures/out/<name>.png and .pdf, each written to a temporary file and renamed."""
+    OUT.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for ext in ("png", "pdf"):
+        fd, tmp = tempfile.mkstemp(dir=OUT, suffix=f".{ext}")
+        os.close(fd)
+        fig.savefig(tmp, dpi=150, bbox_inches="tight")
+        os.replace(tmp, OUT / f"{name}.{ext}")
+        paths.append(OUT / f"{name}.{ext}")
+    plt.close(fig)
+    return paths
+
+
+def write_table(name: str, markdown: str) -> Path:
+    path = OUT / f"{name}.md"
+    atomic_write_text(path, markdown)
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line]

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The main job: run every experiment (cached by config hash under results/), then every figure and table
+# (paper_figures/out/). `bash run_all.sh --quick` is the CI-sized profile (minutes on 2 CPU cores).
+set -euo pipefail
+cd "$(dirname "$0")"
+quick=""
+case "${1:-}" in
+  "") ;;
+  --quick) quick="--quick" ;;
+  *) echo "usage: bash run_all.sh [--quick]" >&2; exit 2 ;;
+esac
+export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+step() { echo; echo "== $* =="; }
+
+step "failure-free reference run"
+python -m experiments.failure_free $quick
+step "training-step benchmark (ours vs a plain reference loop)"
+python -m experiments.bench_train $quick
+
+step "figures and tables"
+python -m paper_figures.failure_free $quick
+
+echo
+echo "results: $PWD/results    figures and tables: $PWD/paper_figures/out"

@@ -1,0 +1,177 @@
+"""Run configuration: one frozen dataclass per concern, loaded from TOML, every field overridable from the CLI.
+
+TOML sections are the dataclasses' names ([model], [data], [optim], [train]). On the command line a field
+is named by itself (`--lr 3e-4`, `--steps 30`) or with its section (`--optim.lr 3e-4`); field names are
+unique across sections so the short form is never ambiguous.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+from .data import DataConfig
+from .errors import UsageError
+from .model import PRESETS
+from .records import stable_hash
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    preset: str = "tiny"  # see mecefo.model.PRESETS; the vocabulary size comes from the tokenizer
+
+    def validate(self) -> None:
+        if self.preset not in PRESETS:
+            raise UsageError(f"model.preset={self.preset!r}; allowed: {', '.join(PRESETS)}")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    optimizer: str = "adamw"  # adamw (the paper's experiments) | sgd (momentum SGD, the paper's theory)
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decay ends at min_lr_ratio * lr
+    warmup_steps: int = 50
+    weight_decay: float = 0.1  # AdamW only; applied to matrices, not to norm weights
+    beta1: float = 0.9
+    beta2: float = 0.95
+    momentum: float = 0.9  # SGD only
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+
+    def validate(self) -> None:
+        if self.optimizer not in ("adamw", "sgd"):
+            raise UsageError(f"optim.optimizer={self.optimizer!r}; allowed: 'adamw', 'sgd'")
+        if not self.lr > 0:
+            raise UsageError(f"optim.lr={self.lr} must be positive")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise UsageError(f"optim.min_lr_ratio={self.min_lr_ratio} must lie in [0, 1]")
+        for name in ("warmup_steps", "weight_decay", "grad_clip", "momentum"):
+            if getattr(self, name) < 0:
+                raise UsageError(f"optim.{name}={getattr(self, name)} must be non-negative")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise UsageError(f"optim.{name}={getattr(self, name)} must lie in [0, 1)")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 600
+    eval_every: int = 100  # validation every k steps (and always at the end)
+    checkpoint_every: int = 200  # 0: only the final checkpoint
+    log_every: int = 20  # plain progress lines when not on a terminal
+    seed: int = 0  # model initialisation and data order
+    device: str = "auto"  # auto | cpu | cuda
+    precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16
+
+    def validate(self) -> None:
+        if self.steps < 1:
+            raise UsageError(f"train.steps={self.steps} must be at least 1")
+        for name in ("eval_every", "log_every"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"train.{name}={getattr(self, name)} must be at least 1")
+        if self.checkpoint_every < 0:
+            raise UsageError(f"train.checkpoint_every={self.checkpoint_every} must be non-negative")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise UsageError(f"train.device={self.device!r}; allowed: 'auto', 'cpu', 'cuda'")
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise UsageError(f"train.precision={self.precision!r}; allowed: 'auto', 'fp32', 'bf16'")
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def validate(self) -> "Config":
+        for section in fields(self):
+            getattr(self, section.name).validate()
+        if self.data.seq_len > PRESETS[self.model.preset].max_seq_len:
+            raise UsageError(f"data.seq_len={self.data.seq_len} exceeds the {self.model.preset} preset's "
+                             f"max_seq_len={PRESETS[self.model.preset].max_seq_len}")
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def hash(self) -> str:
+        """Identity of the results this config produces (logging cadence and device excluded)."""
+        d = self.to_dict()
+        for k in ("log_every", "device"):
+            d["train"].pop(k)
+        return stable_hash(d)
+
+
+def _sections() -> dict[str, type]:
+    return {f.name: f.default_factory for f in fields(Config)}
+
+
+def _convert(section: str, name: str, kind: type, value):
+    where = f"{section}.{name}"
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if str(value).lower() in ("true", "1", "yes"):
+            return True
+        if str(value).lower() in ("false", "0", "no"):
+            return False
+        raise UsageError(f"{where}={value!r} must be true or false")
+    try:
+        if kind is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError
+        return kind(value)
+    except (TypeError, ValueError):
+        raise UsageError(f"{where}={value!r} must be of type {kind.__name__}") from None
+
+
+def _field_types(cls) -> dict[str, type]:
+    return {f.name: type(f.default) for f in fields(cls)}
+
+
+def build(values: dict[str, dict]) -> Config:
+    """A validated Config from {section: {field: value}}; unknown sections or fields are errors."""
+    sections = _sections()
+    kwargs = {}
+    for section, cls in sections.items():
+        given = dict(values.get(section, {}))
+        types = _field_types(cls)
+        unknown = sorted(set(given) - set(types))
+        if unknown:
+            raise UsageError(f"unknown config key {section}.{unknown[0]}; allowed in [{section}]: {', '.join(types)}")
+        kwargs[section] = cls(**{k: _convert(section, k, types[k], v) for k, v in given.items()})
+    extra = sorted(set(values) - set(sections))
+    if extra:
+        raise UsageError(f"unknown config section [{extra[0]}]; allowed: {', '.join(sections)}")
+    return Config(**kwargs).validate()
+
+
+def load(path: str | Path | None, overrides: dict[str, str] | None = None) -> Config:
+    """Read a TOML file (or start from defaults when path is None) and apply `--name value` overrides."""
+    values: dict[str, dict] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise UsageError(f"config file {path} does not exist")
+        try:
+            values = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise UsageError(f"config file {path} is not valid TOML: {e}") from None
+        for section, body in values.items():
+            if not isinstance(body, dict):
+                raise UsageError(f"config key {section!r} in {path} must sit inside a [section]")
+    owner = {name: section for section, cls in _sections().items() for name in _field_types(cls)}
+    for key, value in (overrides or {}).items():
+        section, _, name = key.rpartition(".")
+        if not section:
+            if name not in owner:
+                raise UsageError(f"unknown option --{key}; allowed: {', '.join('--' + n for n in owner)}")
+            section = owner[name]
+        values.setdefault(section, {})[name] = value
+    return build(values)
+
+
+def with_overrides(cfg: Config, **sections: dict) -> Config:
+    """A copy of cfg with some fields replaced, e.g. with_overrides(cfg, train={"steps": 10})."""
+    return replace(cfg, **{s: replace(getattr(cfg, s), **v) for s, v in sections.items()}).validate()

@@ -1,0 +1,183 @@
+"""A LLaMA-style decoder: RMSNorm, rotary position embeddings, causal SDPA attention, SwiGLU FFN.
+
+Shapes: B batch, T sequence, D model width (`dim`), H heads, hd = D / H head width, F FFN width, V vocab.
+Each block is pre-norm:  h = x + Attention(RMSNorm(x));  out = h + FFN(RMSNorm(h)).
+No biases anywhere; the LM head is not tied to the embedding.
+
+`Block.attention` and `Block.ffn` are separate submodules with stable names: the MeCeFO neighbour
+techniques (mecefo.neighbour) address them per micro-batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    ffn_dim: int
+    max_seq_len: int = 1024
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+
+    def __post_init__(self):
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(f"head width dim/n_heads={self.dim // self.n_heads} must be even for RoPE")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+# The paper's shapes are those of the GaLore lineage of LLaMA configs (see ../shared/PAPER.md);
+# nano/tiny/small are ours, sized for tests, CPU experiments and a mid-size CPU check.
+PRESETS: dict[str, ModelConfig] = {
+    "nano": ModelConfig(vocab_size=512, dim=32, n_layers=2, n_heads=4, ffn_dim=96, max_seq_len=256),
+    "tiny": ModelConfig(vocab_size=4096, dim=128, n_layers=4, n_heads=4, ffn_dim=352, max_seq_len=512),
+    "small": ModelConfig(vocab_size=4096, dim=384, n_layers=10, n_heads=6, ffn_dim=1024, max_seq_len=512),
+    "llama-60m": ModelConfig(vocab_size=32000, dim=512, n_layers=8, n_heads=8, ffn_dim=1376),
+    "llama-130m": ModelConfig(vocab_size=32000, dim=768, n_layers=12, n_heads=12, ffn_dim=2048),
+    "llama-350m": ModelConfig(vocab_size=32000, dim=1024, n_layers=24, n_heads=16, ffn_dim=2736),
+    "llama-1b": ModelConfig(vocab_size=32000, dim=2048, n_layers=24, n_heads=32, ffn_dim=5461),
+    "llama-7b": ModelConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, ffn_dim=11008),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+    return replace(PRESETS[name], **overrides)
+
+
+def count_parameters(cfg: ModelConfig) -> int:
+    """Closed form:  2 V D  (embedding + untied head)  +  L (4 D^2 + 3 D F + 2 D)  +  D  (final norm).
+
+    Per layer: q, k, v, o projections (4 D^2), SwiGLU gate/up/down (3 D F), two RMSNorm weights (2 D).
+    """
+    v, d, f, n = cfg.vocab_size, cfg.dim, cfg.ffn_dim, cfg.n_layers
+    return 2 * v * d + n * (4 * d * d + 3 * d * f + 2 * d) + d
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight, statistics in float32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y.type_as(x) * self.weight
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (max_seq_len, head_dim): angle(t, i) = t * theta^(-2i/hd), i < hd/2, repeated twice."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (i, i + hd/2) of x (B, H, T, hd) by angle(t, i):  x * cos + rotate_half(x) * sin."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention with RoPE on queries and keys."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.k_proj = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.v_proj = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.o_proj = nn.Linear(cfg.dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU:  down( silu(gate(x)) * up(x) )."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.ffn(self.ffn_norm(h))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embedding = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """N(0, 0.02) for embedding and projections; residual-output projections (o_proj, down_proj)
+        scaled by 1/sqrt(2 L) as in GPT-2; norm weights 1."""
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(p)
+            else:
+                std = 0.02 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+                nn.init.normal_(p, mean=0.0, std=std)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """idx (B, T) token ids -> logits (B, T, V); with targets (B, T), the mean next-token cross-entropy."""
+        t = idx.shape[1]
+        if t > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {t} exceeds max_seq_len={self.cfg.max_seq_len}")
+        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        x = self.embedding(idx)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        logits = self.lm_head(self.norm(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
