@@ -139,7 +139,9 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neighbour=None) -> torch.Tensor:
+        if neighbour is not None:  # a MeCeFO neighbour's micro-batch (mecefo.neighbour)
+            return neighbour.block(self, x, cos, sin)
         h = x + self.attention(self.attention_norm(x), cos, sin)
         return h + self.ffn(self.ffn_norm(h))
 
@@ -168,16 +170,18 @@ class GPT(nn.Module):
                 std = 0.02 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
                 nn.init.normal_(p, mean=0.0, std=std)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        """idx (B, T) token ids -> logits (B, T, V); with targets (B, T), the mean next-token cross-entropy."""
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, neighbour=None):
+        """idx (B, T) token ids -> logits (B, T, V); with targets (B, T), the mean next-token cross-entropy.
+        neighbour: None for normal mode, or a mecefo.neighbour.Neighbour for this micro-batch."""
         t = idx.shape[1]
         if t > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds max_seq_len={self.cfg.max_seq_len}")
         cos, sin = self.rope_cos[:t], self.rope_sin[:t]
         x = self.embedding(idx)
         for layer in self.layers:
-            x = layer(x, cos, sin)
-        logits = self.lm_head(self.norm(x))
+            x = layer(x, cos, sin, neighbour)
+        x = self.norm(x)
+        logits = self.lm_head(x) if neighbour is None else neighbour.head(self.lm_head, x)
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))

@@ -1,0 +1,194 @@
+"""Exact cost accounting of normal and neighbour micro-batches: FLOPs and activation memory, every preset.
+
+FLOPs are matrix-multiply FLOPs (2 per multiply-add) as torch.utils.flop_counter.FlopCounterMode counts
+them (mm, bmm, addmm, SDPA; elementwise work and the loss are not counted), measured on the meta device
+(no memory, so llama-7b is as cheap as nano) next to closed forms. Notation: N = B*T tokens of the
+micro-batch, T sequence length, D width, F FFN width, V vocabulary, r the low-rank width.
+
+Per layer and micro-batch (attention scores as the unfused math SDPA path computes them: full T x T,
+causal masking not discounted; backward = two products per forward product):
+    attention forward   A_f = 8 N D^2 + 4 N T D          backward A_b = 16 N D^2 + 8 N T D
+    FFN forward         F_f = 6 N D F                    backward F_b = 12 N D F
+    skip_attention      A_b -> 0                         skip_ffn    F_b -> 0
+    recompute_ffn       + 4 N D F (gate and up are recomputed; torch's non-reentrant checkpoint stops
+                        before the down projection, whose saved tensors are already rebuilt)
+    low_rank_wgrad      forward + sum_W 2 N n r (x V1 of gate, up, down; W is m x n, V1 is n x r);
+                        backward 6 N D F (exact Dgrad) + sum_W 2 N m r (the factors G_y^T x V1);
+                        recomputation then repeats the whole FFN forward: + 6 N D F + sum_W 2 N n r
+    per optimizer step  + sum_W 2 r m n (factor V1^T; once, however many micro-batches: 6 r D F for equal r)
+Model level: LM head 2 N D V forward, 4 N D V backward; the embedding lookup costs no FLOPs.
+SVD refresh (not counted by FlopCounterMode; estimated): exact thin SVD 4 m n^2 + 8 n^3 (m >= n),
+randomized 2 m n q (2 niter + 2) + 4 (niter + 1) m q^2 (q = r + oversample), amortised over tau steps.
+
+Activation memory: bytes of tensors saved for backward (torch.autograd.graph.saved_tensors_hooks),
+counted once per storage (several ops save the same tensor), parameters excluded, plus the inputs that
+torch's checkpoint keeps outside those hooks (the neighbour reports them). Peak memory by category comes
+from torch's MemTracker under FakeTensorMode.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from .model import GPT, ModelConfig
+from .neighbour import LowRankWgrad, Neighbour, Techniques, resolve_rank
+
+
+@dataclass(frozen=True)
+class Shape:
+    batch: int  # sequences per micro-batch
+    seq_len: int
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq_len
+
+
+def ffn_matrices(cfg: ModelConfig, rank: float) -> list[tuple[int, int, int]]:
+    """(m, n, r) of the gate, up and down projections (W is m x n, V1 is n x r)."""
+    f, d = cfg.ffn_dim, cfg.dim
+    return [(m, n, resolve_rank(rank, m, n)) for m, n in ((f, d), (f, d), (d, f))]
+
+
+def analytic_flops(cfg: ModelConfig, shape: Shape, techniques: Techniques, rank: float = 0.125) -> dict[str, int]:
+    """Closed-form FLOPs of one micro-batch's forward and backward (see the module docstring).
+    Returns per-layer 'attention' and 'ffn', model-level 'head', the per-step 'wgrad_apply' and 'total'
+    (one micro-batch plus one wgrad_apply)."""
+    n, t, d, f, v = shape.tokens, shape.seq_len, cfg.dim, cfg.ffn_dim, cfg.vocab_size
+    a_f, a_b = 8 * n * d * d + 4 * n * t * d, 16 * n * d * d + 8 * n * t * d
+    attention = a_f + (0 if techniques.skip_attention else a_b)
+    mats = ffn_matrices(cfg, rank)
+    lowrank_fwd = sum(2 * n * cols * r for _, cols, r in mats)  # x V1
+    lowrank_factor = sum(2 * n * rows * r for rows, _, r in mats)  # G_y^T (x V1)
+    if techniques.skip_ffn:
+        ffn = 6 * n * d * f
+    elif techniques.low_rank_wgrad:
+        ffn = 6 * n * d * f + lowrank_fwd + 6 * n * d * f + lowrank_factor
+        if techniques.recompute_ffn:
+            ffn += 6 * n * d * f + lowrank_fwd
+    else:
+        ffn = 18 * n * d * f + (4 * n * d * f if techniques.recompute_ffn else 0)
+    wgrad_apply = cfg.n_layers * sum(2 * r * rows * cols for rows, cols, r in mats) if techniques.low_rank_wgrad else 0
+    head = 6 * n * d * v
+    if techniques.low_rank_head:
+        rh = resolve_rank(rank, v, d)
+        head = 2 * n * d * v + 2 * n * d * rh + 2 * n * d * v + 2 * n * v * rh
+        wgrad_apply += 2 * rh * v * d
+    total = cfg.n_layers * (attention + ffn) + head + wgrad_apply
+    return {"attention": attention, "ffn": ffn, "head": head, "wgrad_apply": wgrad_apply, "total": total}
+
+
+def svd_flops(m: int, n: int, r: int, method: str, oversample: int = 8, niter: int = 2) -> int:
+    """Estimated FLOPs of one refresh of V1 for an m x n matrix (see the module docstring)."""
+    m, n = max(m, n), min(m, n)
+    if method == "exact":
+        return 4 * m * n * n + 8 * n ** 3
+    q = min(r + oversample, n)
+    return 2 * m * n * q * (2 * niter + 2) + 4 * (niter + 1) * m * q * q
+
+
+def _meta_model(cfg: ModelConfig) -> GPT:
+    with torch.device("meta"):
+        return GPT(cfg)
+
+
+def counted_flops(cfg: ModelConfig, shape: Shape, techniques: Techniques, rank: float = 0.125,
+                  model: GPT | None = None) -> dict[str, int]:
+    """FlopCounterMode's count of one micro-batch's forward + backward (+ the per-step wgrad apply),
+    on the meta device, with the same keys as analytic_flops."""
+    model = model or _meta_model(cfg)
+    idx = torch.zeros(shape.batch, shape.seq_len, dtype=torch.long, device="meta")
+    neighbour = None if techniques == Techniques() else Neighbour(techniques, LowRankWgrad(rank=rank, svd="exact"))
+    with FlopCounterMode(display=False) as counter:
+        model(idx, idx, neighbour=neighbour).backward()
+    with FlopCounterMode(display=False) as apply_counter:
+        if neighbour is not None:
+            neighbour.finish()
+    by_module = {k: sum(v.values()) for k, v in counter.get_flop_counts().items()}
+    layer = by_module.get("GPT.layers.0", 0)
+    attention = by_module.get("GPT.layers.0.attention", 0)
+    model.zero_grad(set_to_none=True)
+    return {"attention": attention, "ffn": layer - attention, "head": by_module.get("GPT.lm_head", 0),
+            "wgrad_apply": apply_counter.get_total_flops(),
+            "total": counter.get_total_flops() + apply_counter.get_total_flops()}
+
+
+def saved_activation_bytes(cfg: ModelConfig, shape: Shape, techniques: Techniques, rank: float = 0.125,
+                           model: GPT | None = None, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes kept for backward by one micro-batch: saved tensors once per storage, parameters excluded,
+    plus checkpoint-held inputs. Counted on the meta device in `dtype`."""
+    model = model or _meta_model(cfg)
+    model = model.to(dtype)
+    params = {p.untyped_storage()._cdata for p in model.parameters()} | {
+        b.untyped_storage()._cdata for b in model.buffers()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        storage = t.untyped_storage()
+        if storage._cdata not in params:
+            seen[storage._cdata] = storage.nbytes()
+        return t
+
+    idx = torch.zeros(shape.batch, shape.seq_len, dtype=torch.long, device="meta")
+    neighbour = None if techniques == Techniques() else Neighbour(techniques, LowRankWgrad(rank=rank, svd="exact"))
+    held: list[torch.Tensor] = []
+    if neighbour is not None:
+        neighbour.held = held
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(idx, idx, neighbour=neighbour)
+    for t in held:
+        seen.setdefault(t.untyped_storage()._cdata, t.untyped_storage().nbytes())
+    del loss
+    return sum(seen.values())
+
+
+def peak_memory(cfg: ModelConfig, shape: Shape, techniques: Techniques, micro_batches: int = 1,
+                rank: float = 0.125) -> dict[str, int]:
+    """Peak bytes by category (parameters, gradients, activations, temporaries, optimizer states) of one
+    AdamW step over `micro_batches` sequential micro-batches, tracked by torch's MemTracker under
+    FakeTensorMode (fp32; no real memory is used). The optimizer states exist before the tracked step."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    with FakeTensorMode():
+        model = GPT(cfg)
+        opt = torch.optim.AdamW(model.parameters(), foreach=True)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        idx = torch.zeros(shape.batch, shape.seq_len, dtype=torch.long)
+        neighbour = None if techniques == Techniques() else Neighbour(techniques, LowRankWgrad(rank=rank, svd="exact"))
+        tracker = MemTracker()
+        tracker.track_external(model, opt)
+        with tracker:
+            for _ in range(micro_batches):
+                model(idx, idx, neighbour=neighbour).backward()
+            if neighbour is not None:
+                neighbour.finish()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        snapshot = tracker.get_tracker_snapshot("peak")
+    stats = next(iter(snapshot.values()))
+    names = {"PARAM": "parameters", "BUFFER": "buffers", "GRAD": "gradients", "ACT": "activations",
+             "TEMP": "temporaries", "OPT": "optimizer_states", "OTH": "other"}
+    out = {names[str(k).rsplit(".", 1)[-1]]: int(v) for k, v in stats.items() if str(k) != "Total"}
+    out["total"] = int(stats["Total"])
+    return out
+
+
+def neighbour_step_flops(cfg: ModelConfig, shape: Shape, techniques: Techniques, rank: float = 0.125,
+                         micro_batches: int = 2) -> int:
+    """A neighbour's step: its own and the failed rank's micro-batches in one mode, wgrad applied once."""
+    per = analytic_flops(cfg, shape, techniques, rank)
+    return micro_batches * (per["total"] - per["wgrad_apply"]) + per["wgrad_apply"]
+
+
+def fmt_bytes(n: float) -> str:
+    units = ["B", "KiB", "MiB", "GiB", "TiB"]
+    i = min(len(units) - 1, int(math.log(max(n, 1), 1024)))
+    return f"{n / 1024 ** i:.2f} {units[i]}"
