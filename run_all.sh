@@ -17,8 +17,12 @@ python -m experiments.failure_free $quick
 step "training-step benchmark (ours vs a plain reference loop)"
 python -m experiments.bench_train $quick
 
+step "neighbour cost ablation (the paper's Table 6)"
+python -m experiments.ablation $quick
+
 step "figures and tables"
 python -m paper_figures.failure_free $quick
+python -m paper_figures.ablation $quick
 
 echo
 echo "results: $PWD/results    figures and tables: $PWD/paper_figures/out"

@@ -112,7 +112,8 @@ def counted_flops(cfg: ModelConfig, shape: Shape, techniques: Techniques, rank: 
     layer = by_module.get("GPT.layers.0", 0)
     attention = by_module.get("GPT.layers.0.attention", 0)
     model.zero_grad(set_to_none=True)
-    return {"attention": attention, "ffn": layer - attention, "head": by_module.get("GPT.lm_head", 0),
+    # every layer costs the same; what is left is the LM head's (the embedding lookup counts no FLOPs)
+    return {"attention": attention, "ffn": layer - attention, "head": counter.get_total_flops() - cfg.n_layers * layer,
             "wgrad_apply": apply_counter.get_total_flops(),
             "total": counter.get_total_flops() + apply_counter.get_total_flops()}
 
