@@ -1,6 +1,6 @@
 """Run configuration: one frozen dataclass per concern, loaded from TOML, every field overridable from the CLI.
 
-TOML sections are the dataclasses' names ([model], [data], [optim], [train]). On the command line a field
+TOML sections are the dataclasses' names ([model], [data], [optim], [train], [cluster]). On the command line a field
 is named by itself (`--lr 3e-4`, `--steps 30`) or with its section (`--optim.lr 3e-4`); field names are
 unique across sections so the short form is never ambiguous.
 """
@@ -12,6 +12,7 @@ import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+from .cluster import ClusterConfig
 from .data import DataConfig
 from .errors import UsageError
 from .model import PRESETS
@@ -84,6 +85,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def validate(self) -> "Config":
         for section in fields(self):

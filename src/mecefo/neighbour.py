@@ -73,8 +73,8 @@ def resolve_rank(rank: float, m: int, n: int) -> int:
 class LowRankWgrad:
     """Per-matrix subspace cache and pending r-column gradient factors.
 
-    V1 of a weight is recomputed when `tau` optimizer steps have passed since its last SVD (count them with
-    `optimizer_step()`), or on `refresh()`. `svd`: 'exact' (torch.linalg.svd), 'randomized'
+    V1 of a weight is computed at its first use in each epoch of `tau` optimizer steps (count them with
+    `optimizer_step()`; `prepare()` computes all of a model's at once), or again after `refresh()`. `svd`: 'exact' (torch.linalg.svd), 'randomized'
     (torch.svd_lowrank with `oversample` extra columns and `niter` power iterations) or 'auto' (randomized
     when min(m, n) > `exact_limit`).
     """
@@ -104,7 +104,7 @@ class LowRankWgrad:
     def basis(self, weight: torch.nn.Parameter) -> torch.Tensor:
         """V1 (n x r): the top-r right singular vectors of weight (m x n)."""
         cached = self._basis.get(weight)
-        if cached is not None and self.steps - cached[1] < self.tau:
+        if cached is not None and cached[1] == self.steps // self.tau:
             return cached[0]
         m, n = weight.shape
         r = resolve_rank(self.rank, m, n)
@@ -115,9 +115,23 @@ class LowRankWgrad:
         else:
             v1 = torch.svd_lowrank(w, q=min(r + self.oversample, min(m, n)), niter=self.niter)[2][:, :r]
         v1 = v1.contiguous()
-        self._basis[weight] = (v1, self.steps)
+        self._basis[weight] = (v1, self.steps // self.tau)
         self.svd_count += 1
         return v1
+
+    def prepare(self, weights) -> None:
+        for w in weights:
+            self.basis(w)
+
+    def state_dict(self, model: torch.nn.Module) -> dict:
+        """Step count and cached subspaces by parameter name (to hand to a recovering rank)."""
+        names = {p: n for n, p in model.named_parameters()}
+        return {"steps": self.steps, "bases": {names[w]: (v.cpu(), e) for w, (v, e) in self._basis.items()}}
+
+    def load_state_dict(self, state: dict, model: torch.nn.Module) -> None:
+        params = dict(model.named_parameters())
+        self.steps = state["steps"]
+        self._basis = {params[n]: (v.to(params[n].device), e) for n, (v, e) in state["bases"].items()}
 
     def add(self, weight: torch.nn.Parameter, factor: torch.Tensor) -> None:
         pending = self._pending.get(weight)

@@ -1,5 +1,8 @@
 """The training loop and its CLI:  python -m mecefo.train --config experiments/configs/tiny.toml [--steps 30 ...] --out DIR
 
+Data-parallel training under failures:  --ranks 8 --failures high --policy mecefo  (one process, simulated
+ranks), or under torchrun:  torchrun --nproc_per_node 8 -m mecefo.train ... --ranks 8 --backend torch.
+
 DIR receives metrics.jsonl (one line per step; validation lines carry val_loss), checkpoint.pt (written
 atomically every train.checkpoint_every steps and at the end) and summary.json (resolved config, final
 validation loss and perplexity, commit, package versions). A rerun with the same config reuses a finished
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -23,10 +27,14 @@ import torch
 from tqdm import tqdm
 
 from . import config as config_mod
+from . import failures
+from .cluster import LocalCluster, TorchCluster, plan_step, rank_flops, restore, snapshot
 from .config import Config
+from .costs import Shape, analytic_flops
 from .data import TokenData
 from .errors import UsageError
 from .model import GPT, count_parameters, preset
+from .neighbour import LowRankWgrad, Techniques
 from .records import atomic_write_json, git_commit, package_versions
 
 
@@ -63,23 +71,15 @@ def autocast(device: torch.device, precision: str):
     return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
 
-def train_step(model: GPT, optimizer: torch.optim.Optimizer, batches, lr: float, grad_clip: float,
-               device: torch.device, precision: str) -> tuple[float, float]:
-    """One optimizer step on the mean loss of `batches` (the micro-batches of gradient accumulation).
-    Returns (loss, gradient norm before clipping); grad_clip = 0 disables clipping."""
+def apply_update(model: GPT, optimizer: torch.optim.Optimizer, lr: float, grad_clip: float) -> float:
+    """Clip the aggregated gradient to norm grad_clip (0: no clipping), take the optimizer step at lr;
+    returns the norm before clipping. Parameters without a gradient are left unchanged."""
     for group in optimizer.param_groups:
         group["lr"] = lr
-    loss = 0.0
-    for x, y in batches:
-        x, y = torch.as_tensor(x, device=device), torch.as_tensor(y, device=device)
-        with autocast(device, precision):
-            micro_loss = model(x, y) / len(batches)
-        micro_loss.backward()
-        loss += micro_loss.item()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+    grads = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(grads, grad_clip if grad_clip > 0 else float("inf"))
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss, grad_norm.item()
+    return norm.item()
 
 
 @torch.no_grad()
@@ -107,11 +107,12 @@ def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
 
 
-def save_checkpoint(path: Path, step: int, cfg: Config, model, optimizer, wall: float) -> None:
-    """Model, optimizer, RNG states and the data position (the step: batches are a pure function of it)."""
+def save_checkpoint(path: Path, step: int, cfg: Config, model, optimizer, wall: float, restart: dict | None = None) -> None:
+    """Model, optimizer, RNG states and the data position (the step: batches are a pure function of it),
+    plus checkpoint-restart's in-memory checkpoint and replay count."""
     tmp = path.with_name(f".{path.name}.tmp")
     torch.save({"step": step, "config_hash": cfg.hash(), "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(), "rng": _rng_state(), "wall_time_s": wall}, tmp)
+                "optimizer": optimizer.state_dict(), "rng": _rng_state(), "wall_time_s": wall, "restart": restart}, tmp)
     os.replace(tmp, path)
 
 
@@ -144,81 +145,195 @@ def _prepare_out(out: Path, cfg: Config, resume: bool) -> dict | None:
     return None
 
 
+def _setup_backend(cfg: Config, device: torch.device) -> tuple[int, torch.device]:
+    """torch backend: join the process group torchrun describes; returns (rank, this rank's device)."""
+    if cfg.cluster.backend != "torch":
+        return 0, device
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "0"))
+    if world != cfg.cluster.ranks:
+        raise UsageError(f"cluster.backend='torch' needs torchrun with --nproc_per_node {cfg.cluster.ranks} "
+                         f"(WORLD_SIZE={world or 'unset'})")
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), device
+
+
 def run(cfg: Config, out: Path, resume: bool = False, stop_after: int | None = None, quiet: bool = False) -> dict:
-    """Train cfg for cfg.train.steps steps (or until stop_after, leaving a checkpoint) and return the summary."""
+    """Train cfg for cfg.train.steps steps (or until stop_after, leaving a checkpoint) and return the summary.
+    Under the torch backend every process calls run(); rank 0 alone writes files and prints."""
     out = Path(out)
-    finished = _prepare_out(out, cfg, resume)
+    device = resolve_device(cfg.train.device)
+    rank, device = _setup_backend(cfg, device)
+    main = rank == 0
+    quiet = quiet or not main
+    finished = _prepare_out(out, cfg, resume) if main else None
     if finished is not None:
         return finished
-    device = resolve_device(cfg.train.device)
-    data = TokenData(cfg.data)
+    cc, tc, dc = cfg.cluster, cfg.train, cfg.data
+    data = _token_data(cfg, main)
     model_cfg = preset(cfg.model.preset, vocab_size=data.vocab_size)
-    torch.manual_seed(cfg.train.seed)
+    torch.manual_seed(tc.seed)
     model = GPT(model_cfg).to(device)
     optimizer = build_optimizer(model, cfg.optim)
-    out.mkdir(parents=True, exist_ok=True)
+    schedule = failures.resolve(cc.failures, cc.ranks, tc.steps, cc.seconds_per_step,
+                                tc.seed if cc.failure_seed < 0 else cc.failure_seed, cc.recovery, cc.failable_ranks())
+    techniques = Techniques.parse(cc.techniques)
+    lowrank = LowRankWgrad(rank=cc.low_rank, tau=cc.low_rank_tau)
+    backend = TorchCluster if cc.backend == "torch" else LocalCluster
+    cluster = backend(model, data, tc.seed, device, lowrank, lambda: autocast(device, tc.precision), n_ranks=cc.ranks)
+    flops = _FlopModel(model_cfg, dc, cc.low_rank)
+
     metrics_path, ckpt_path = out / "metrics.jsonl", out / "checkpoint.pt"
-    start, wall_before = 0, 0.0
+    start, wall_before, restart = 0, 0.0, {"replayed": 0, "consumed": [], "snapshot": None, "snapshot_step": 0}
     if ckpt_path.exists():
         ckpt = _load_checkpoint(ckpt_path, cfg)
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         _set_rng_state(ckpt["rng"])
-        start, wall_before = ckpt["step"], ckpt["wall_time_s"]
-        _truncate_metrics(metrics_path, start)
+        start, wall_before, restart = ckpt["step"], ckpt["wall_time_s"], ckpt.get("restart", restart)
+        if main:
+            _truncate_metrics(metrics_path, start)
         _log(f"resuming {out} from step {start}", quiet)
-    elif metrics_path.exists():
+    elif main and metrics_path.exists():
         metrics_path.unlink()
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+    if restart["snapshot"] is None:
+        restart["snapshot"] = snapshot(model, optimizer)
+    _log(_schedule_line(cfg, schedule), quiet)
 
-    tc, dc = cfg.train, cfg.data
-    tokens_per_step = dc.micro_batch_size * dc.seq_len * dc.grad_accum
+    tokens_per_step = dc.micro_batch_size * dc.seq_len * dc.grad_accum * cc.ranks
     end = min(tc.steps, stop_after) if stop_after is not None else tc.steps
-    bar = tqdm(total=tc.steps, initial=start, desc=f"train {cfg.model.preset}", disable=quiet or not sys.stderr.isatty(),
-               dynamic_ncols=True)
+    bar = tqdm(total=tc.steps, initial=start, desc=f"train {cfg.model.preset}", dynamic_ncols=True,
+               disable=quiet or not sys.stderr.isatty())
     t0 = time.perf_counter()
-    with open(metrics_path, "a") as metrics:
-        def record(row: dict) -> None:
+    metrics = open(metrics_path, "a") if main else None
+
+    def record(row: dict) -> None:
+        if metrics:
             metrics.write(json.dumps(row) + "\n")
             metrics.flush()
 
-        if start == 0:
-            record({"step": 0, "val_loss": evaluate(model, data, "val", device, tc.precision), "tokens_seen": 0})
-        for step in range(start, end):
-            t_step = time.perf_counter()
-            scale = lr_at(step, cfg.optim, tc.steps)
-            batches = [data.micro_batch(tc.seed, step, micro=m) for m in range(dc.grad_accum)]
-            loss, grad_norm = train_step(model, optimizer, batches, cfg.optim.lr * scale, cfg.optim.grad_clip,
-                                         device, tc.precision)
-            n, dt = step + 1, time.perf_counter() - t_step
-            row = {"step": n, "loss": loss, "lr": cfg.optim.lr * scale, "grad_norm": grad_norm,
-                   "tokens_seen": n * tokens_per_step, "tokens_per_s": tokens_per_step / dt,
-                   "wall_time_s": wall_before + time.perf_counter() - t0}
-            if n % tc.eval_every == 0 or n == tc.steps:
-                row["val_loss"] = evaluate(model, data, "val", device, tc.precision)
-            record(row)
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}")
-            if bar.disable and not quiet and (n % tc.log_every == 0 or n == end):
-                _log(f"step {n}/{tc.steps} loss {loss:.4f} lr {row['lr']:.2e} {row['tokens_per_s']:.0f} tok/s"
-                     + (f" val_loss {row['val_loss']:.4f}" if "val_loss" in row else ""), quiet)
-            if (tc.checkpoint_every and n % tc.checkpoint_every == 0) or n == end:
-                save_checkpoint(ckpt_path, n, cfg, model, optimizer, wall_before + time.perf_counter() - t0)
+    def evaluate_now(split: str, failed: frozenset[int]) -> float | None:
+        cluster.sync_for_io(failed, optimizer)
+        return evaluate(model, data, split, device, tc.precision) if main else None
+
+    if start == 0:
+        record({"step": 0, "val_loss": evaluate_now("val", frozenset()), "tokens_seen": 0})
+    step, furthest, loss = start, start, float("nan")
+    while step < end:
+        t_step = time.perf_counter()
+        plan = plan_step(cc.policy, step, schedule.failed[step], cc.ranks, dc.grad_accum, dc.micro_batch_size,
+                         techniques, cc.all_down)
+        if cc.policy == "checkpoint-restart" and schedule.new_failures(step) and step not in restart["consumed"]:
+            restart["consumed"].append(step)  # a new failure: everyone rolls back to the last checkpoint
+            restart["replayed"] += step - restart["snapshot_step"]
+            restore(model, optimizer, restart["snapshot"])
+            step = restart["snapshot_step"]
+            continue
+        cluster.transition(plan, optimizer)
+        lowrank.steps = step
+        cluster.prepare(plan)
+        lr = cfg.optim.lr * lr_at(step, cfg.optim, tc.steps)
+        result = cluster.step(plan)
+        grad_norm = float("nan")
+        if cluster.updates(plan):
+            grad_norm = apply_update(model, optimizer, lr, cfg.optim.grad_clip)
+        model.zero_grad(set_to_none=True)
+        step += 1
+        if cc.policy == "checkpoint-restart" and step % cc.restart_every == 0:
+            restart["snapshot"], restart["snapshot_step"] = snapshot(model, optimizer), step
+        loss = result.loss if not plan.skipped else float("nan")
+        per_rank = flops.per_rank(plan)
+        row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_seen": step * tokens_per_step,
+               "samples": result.samples, "tokens_per_s": tokens_per_step / (time.perf_counter() - t_step),
+               "wall_time_s": wall_before + time.perf_counter() - t0,
+               "failed": sorted(plan.failed), "neighbours": {str(j): nb for j, nb in plan.neighbours.items()},
+               "attention_ranks": plan.counts(1)["attention.0"] / dc.grad_accum, "skipped": plan.skipped,
+               "busiest_rank_flops": max(per_rank.values(), default=0) / flops.normal_rank,
+               "replayed_steps": restart["replayed"], "replay": step <= furthest}
+        furthest = max(furthest, step)
+        if step % tc.eval_every == 0 or step == tc.steps:
+            row["val_loss"] = evaluate_now("val", plan.failed)
+        record(row)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}", failed=len(plan.failed))
+        if bar.disable and (step % tc.log_every == 0 or step == end):
+            _log(f"step {step}/{tc.steps} loss {loss:.4f} lr {lr:.2e} failed {len(plan.failed)} "
+                 f"{row['tokens_per_s']:.0f} tok/s" + (f" val_loss {row['val_loss']:.4f}" if row.get("val_loss") else ""), quiet)
+        if (tc.checkpoint_every and step % tc.checkpoint_every == 0) or step == end:
+            cluster.sync_for_io(plan.failed, optimizer)
+            if main:
+                save_checkpoint(ckpt_path, step, cfg, model, optimizer, wall_before + time.perf_counter() - t0, restart)
     bar.close()
+    if metrics:
+        metrics.close()
     if end < tc.steps:
         return {"stopped_at": end}
-    val_loss = evaluate(model, data, "val", device, tc.precision)
-    test_loss = evaluate(model, data, "test", device, tc.precision)
+    last_failed = schedule.failed[-1]
+    val_loss, test_loss = evaluate_now("val", last_failed), evaluate_now("test", last_failed)
+    if not main:
+        return {}
     summary = {
         "config": cfg.to_dict(), "config_hash": cfg.hash(), "seed": tc.seed, "steps": tc.steps,
         "final_train_loss": loss, "final_val_loss": val_loss, "final_val_ppl": math.exp(val_loss),
         "final_test_loss": test_loss, "final_test_ppl": math.exp(test_loss),
-        "n_parameters": count_parameters(model_cfg), "model": model_cfg.__dict__, "tokens_seen": tc.steps * tokens_per_step,
+        "n_parameters": count_parameters(model_cfg), "model": model_cfg.__dict__,
+        "tokens_seen": tc.steps * tokens_per_step, "replayed_steps": restart["replayed"],
+        "failure_schedule": {"fraction_failed": schedule.fraction_failed(), "events": schedule.failure_events()},
         "wall_time_s": wall_before + time.perf_counter() - t0, "device": str(device),
         "git_commit": git_commit(), "packages": package_versions(),
     }
     atomic_write_json(out / "summary.json", summary)
     _log(f"done: val loss {val_loss:.4f} (ppl {math.exp(val_loss):.2f}) -> {out}", quiet)
     return summary
+
+
+def _token_data(cfg: Config, main: bool) -> TokenData:
+    """Under torchrun, rank 0 builds the token cache while the others wait, then everyone opens it."""
+    if cfg.cluster.backend != "torch":
+        return TokenData(cfg.data)
+    import torch.distributed as dist
+
+    data = TokenData(cfg.data) if main else None
+    dist.barrier()
+    return data or TokenData(cfg.data)
+
+
+def _schedule_line(cfg: Config, schedule: failures.Schedule) -> str:
+    cc = cfg.cluster
+    hours = cfg.train.steps * cc.seconds_per_step / 3600
+    if cc.failures in failures.SCENARIOS or cc.failures.startswith("custom:"):
+        sc = failures.scenario(cc.failures)
+        expected = (f"expected: {100 * sc.expected_failed_fraction():.2f}% of ranks failed, "
+                    f"{sc.expected_events(cc.ranks, hours):.1f} failure events")
+    else:
+        expected = "replayed trace"
+    return (f"failures {cc.failures} on {cc.ranks} ranks over {hours:.1f} h ({cc.seconds_per_step:g} s/step): "
+            f"{expected}; this schedule: {100 * schedule.fraction_failed():.2f}%, {schedule.failure_events()} events; "
+            f"policy {cc.policy}")
+
+
+class _FlopModel:
+    """Per-rank FLOPs of a step from mecefo.costs' closed forms (equal to FlopCounterMode's counts)."""
+
+    def __init__(self, model_cfg, dc, low_rank: float):
+        self.model_cfg, self.seq_len, self.low_rank = model_cfg, dc.seq_len, low_rank
+        self.normal_rank = dc.grad_accum * self.piece(dc.micro_batch_size, Techniques())
+        self.apply = analytic_flops(model_cfg, Shape(1, dc.seq_len), Techniques(low_rank_wgrad=True), low_rank)["wgrad_apply"]
+
+    @functools.lru_cache(maxsize=64)
+    def piece(self, rows: int, techniques: Techniques) -> int:
+        f = analytic_flops(self.model_cfg, Shape(rows, self.seq_len), techniques, self.low_rank)
+        return f["total"] - f["wgrad_apply"]
+
+    def per_rank(self, plan) -> dict[int, int]:
+        return rank_flops(plan, self.piece, self.apply)
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

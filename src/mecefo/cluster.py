@@ -1,0 +1,358 @@
+"""n data-parallel ranks under failures: roles per step, the policies, the paper's aggregation rule, and two
+backends with one semantics (in-process simulated ranks, or one torch.distributed process per rank).
+
+Roles. Each failed rank j gets a neighbour: the next alive rank after j in ring order that covers nobody
+yet; once every alive rank covers one, the least-loaded alive rank, nearest in ring order after j.
+Roles are recomputed from the failed set every step, so a neighbour that fails hands over at the next step.
+
+Pieces. Each computing rank runs pieces: (whose micro-batch, which rows, which techniques). A piece of
+`rows` out of b rows has weight rows / b and contributes weight * grad(mean loss over its rows).
+
+Aggregation (the paper's rule, generalised by weights). Parameters fall in groups: attention of layer l
+(projections and their RMSNorm), FFN of layer l (projections and their RMSNorm), and everything else.
+For each group G,
+        g_G = sum_{pieces p giving G a gradient} w_p grad_G(loss_p)  /  sum_{those pieces} w_p.
+With MeCeFO (neighbours skip attention on both their micro-batches) this is the paper's
+G_l = (1/|N_l|) sum_{i in N_l} G_{i,l} for attention, N_l the ranks neither failed nor neighbours, and the
+average over all n micro-batches for every other parameter. When no piece gives a group a gradient
+(N_l empty), that group gets no gradient and the optimizer leaves it unchanged for the step.
+
+Policies, on the same failure schedule:
+  mecefo              a neighbour computes its own and the failed rank's micro-batch with `techniques`
+                      (default: skip_attention + recompute_ffn + low_rank_wgrad)
+  ndb-exact           the same, exactly (the quality upper bound, at 2x the neighbour's cost)
+  drop                the failed ranks' samples are skipped (torchft); the survivors' gradients averaged
+  spread              the failed micro-batch split evenly over all survivors, exact (ReCycle-like)
+  spread-mecefo       split over survivors, each applying `techniques` to its extra share only (ours)
+  checkpoint-restart  every rank computes; each new failure rolls back to the last checkpoint (every
+                      `restart_every` steps) and replays, assuming spare nodes replace the failed ones
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+from .errors import UsageError
+from .neighbour import MECEFO, LowRankWgrad, Neighbour, Techniques
+
+POLICIES = ("mecefo", "ndb-exact", "drop", "spread", "spread-mecefo", "checkpoint-restart")
+NORMAL = Techniques()
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    ranks: int = 1  # data-parallel size n
+    backend: str = "local"  # local (simulated ranks in one process) | torch (torchrun, gloo / nccl)
+    failures: str = "none"  # none | low | mid | high | custom:<interval_h>:<recovery_h> | path/to/trace.csv
+    policy: str = "mecefo"  # see POLICIES
+    techniques: str = "mecefo"  # what mecefo's neighbours / spread-mecefo's extra shares apply
+    seconds_per_step: float = 44.0  # maps the scenarios' hours to steps (see README)
+    recovery: str = "fixed"  # fixed | exponential
+    failable: str = ""  # asymmetric mode: comma-separated ranks that can fail ("" = all)
+    all_down: str = "skip"  # skip (log and skip the step) | error
+    restart_every: int = 50  # checkpoint-restart: steps between checkpoints
+    low_rank: float = 0.125  # r of low_rank_wgrad (>= 1 absolute, < 1 a fraction of min(m, n))
+    low_rank_tau: int = 50  # optimizer steps between SVD refreshes of V1
+    failure_seed: int = -1  # seed of the failure process (-1: the training seed)
+
+    def validate(self) -> None:
+        if self.ranks < 1:
+            raise UsageError(f"cluster.ranks={self.ranks} must be at least 1")
+        if self.backend not in ("local", "torch"):
+            raise UsageError(f"cluster.backend={self.backend!r}; allowed: 'local', 'torch'")
+        if self.policy not in POLICIES:
+            raise UsageError(f"cluster.policy={self.policy!r}; allowed: {', '.join(POLICIES)}")
+        try:
+            Techniques.parse(self.techniques)
+        except ValueError as e:
+            raise UsageError(f"cluster.techniques: {e}") from None
+        if self.seconds_per_step <= 0:
+            raise UsageError(f"cluster.seconds_per_step={self.seconds_per_step} must be positive")
+        if self.all_down not in ("skip", "error"):
+            raise UsageError(f"cluster.all_down={self.all_down!r}; allowed: 'skip', 'error'")
+        if self.restart_every < 1 or self.low_rank_tau < 1 or self.low_rank <= 0:
+            raise UsageError("cluster.restart_every, cluster.low_rank_tau and cluster.low_rank must be positive")
+        self.failable_ranks()
+
+    def failable_ranks(self) -> tuple[int, ...] | None:
+        if not self.failable:
+            return None
+        try:
+            ranks = tuple(int(r) for r in self.failable.split(","))
+        except ValueError:
+            raise UsageError(f"cluster.failable={self.failable!r} must be comma-separated rank numbers") from None
+        if any(not 0 <= r < self.ranks for r in ranks):
+            raise UsageError(f"cluster.failable={self.failable!r} must name ranks in 0..{self.ranks - 1}")
+        return ranks
+
+
+def assign_neighbours(failed: frozenset[int], n: int) -> dict[int, int]:
+    """failed rank -> the alive rank that computes its micro-batch (see the module docstring)."""
+    alive = [r for r in range(n) if r not in failed]
+    if not alive:
+        return {}
+    load = {r: 0 for r in alive}
+    out = {}
+    for j in sorted(failed):
+        ring = [(j + k) % n for k in range(1, n) if (j + k) % n in load]
+        choice = min(ring, key=lambda r: (load[r], ring.index(r)))
+        out[j] = choice
+        load[choice] += 1
+    return out
+
+
+@dataclass(frozen=True)
+class Piece:
+    owner: int  # whose micro-batch (its data address)
+    micro: int  # which gradient-accumulation micro-batch of the owner
+    start: int  # rows [start, stop) of that micro-batch
+    stop: int
+    batch: int  # rows of a whole micro-batch
+    techniques: Techniques = NORMAL
+
+    @property
+    def weight(self) -> float:
+        return (self.stop - self.start) / self.batch
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    step: int
+    failed: frozenset[int]
+    neighbours: dict[int, int]
+    pieces: dict[int, tuple[Piece, ...]]  # computing rank -> its pieces (failed ranks compute nothing)
+    skipped: bool = False
+
+    def counts(self, n_layers: int) -> dict[str, float]:
+        """Sum of piece weights giving each parameter group a gradient."""
+        out = {"other": 0.0} | {f"attention.{l}": 0.0 for l in range(n_layers)} | {f"ffn.{l}": 0.0 for l in range(n_layers)}
+        for pieces in self.pieces.values():
+            for p in pieces:
+                out["other"] += p.weight
+                for l in range(n_layers):
+                    out[f"attention.{l}"] += 0.0 if p.techniques.skip_attention else p.weight
+                    out[f"ffn.{l}"] += 0.0 if p.techniques.skip_ffn else p.weight
+        return out
+
+    def samples(self) -> int:
+        return sum(p.stop - p.start for pieces in self.pieces.values() for p in pieces)
+
+
+def group_of(param_name: str) -> str:
+    """'layers.3.attention.q_proj.weight' -> 'attention.3'; '...ffn_norm.weight' -> 'ffn.3'; else 'other'."""
+    parts = param_name.split(".")
+    if parts[0] == "layers":
+        if parts[2].startswith("attention"):
+            return f"attention.{parts[1]}"
+        if parts[2].startswith("ffn"):
+            return f"ffn.{parts[1]}"
+    return "other"
+
+
+def plan_step(policy: str, step: int, failed: frozenset[int], n: int, accum: int, batch: int,
+              techniques: Techniques = MECEFO, all_down: str = "skip") -> StepPlan:
+    """Who computes which rows of whose micro-batches at this step, under `policy`."""
+    if policy == "checkpoint-restart":
+        failed = frozenset()  # spare nodes replace failed ones after the restart (the cost is the replay)
+    alive = [r for r in range(n) if r not in failed]
+    if not alive:
+        if all_down == "error":
+            raise RuntimeError(f"all {n} ranks are down at step {step} (cluster.all_down='error')")
+        return StepPlan(step, failed, {}, {}, skipped=True)
+    whole = lambda owner, t: tuple(Piece(owner, m, 0, batch, batch, t) for m in range(accum))  # noqa: E731
+    pieces = {r: whole(r, NORMAL) for r in alive}
+    neighbours: dict[int, int] = {}
+    if policy in ("mecefo", "ndb-exact") and failed:
+        neighbours = assign_neighbours(failed, n)
+        t = techniques if policy == "mecefo" else NORMAL
+        for j, nb in neighbours.items():  # the neighbour's own micro-batch gets the techniques too
+            pieces[nb] = tuple(replace(p, techniques=t) for p in pieces[nb]) + whole(j, t)
+    elif policy in ("spread", "spread-mecefo") and failed:
+        t = techniques if policy == "spread-mecefo" else NORMAL
+        bounds = np.linspace(0, batch, len(alive) + 1).round().astype(int)
+        for j in sorted(failed):
+            for i, r in enumerate(alive):
+                lo, hi = int(bounds[i]), int(bounds[i + 1])
+                if hi > lo:
+                    pieces[r] = pieces[r] + tuple(Piece(j, m, lo, hi, batch, t) for m in range(accum))
+    return StepPlan(step, failed, neighbours, pieces)
+
+
+def rank_flops(plan: StepPlan, piece_flops, apply_flops: int) -> dict[int, int]:
+    """FLOPs each computing rank does this step; piece_flops(rows, techniques) gives one piece's
+    forward+backward, apply_flops the once-per-step V1^T product of a rank using low_rank_wgrad."""
+    out = {}
+    for rank, pieces in plan.pieces.items():
+        out[rank] = sum(piece_flops(p.stop - p.start, p.techniques) for p in pieces)
+        out[rank] += apply_flops if any(p.techniques.low_rank_wgrad for p in pieces) else 0
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- backends
+@dataclass
+class StepResult:
+    loss: float  # weighted mean training loss over the pieces computed this step
+    samples: int
+
+
+@dataclass
+class _Common:
+    model: torch.nn.Module
+    data: object  # mecefo.data.TokenData
+    seed: int
+    device: torch.device
+    lowrank: LowRankWgrad
+    autocast: object  # a callable returning the autocast context
+    n_ranks: int = 1
+    _neighbours: dict = field(default_factory=dict)
+    current_step: int = 0
+
+    def prepare(self, plan: StepPlan, computing: bool = True) -> None:
+        """Refresh V1 (once per tau-step epoch) at a step where some rank uses low_rank_wgrad: every rank
+        does it at the same step from the same weights, so all ranks hold the same subspaces."""
+        if computing and any(p.techniques.low_rank_wgrad for ps in plan.pieces.values() for p in ps):
+            self.lowrank.prepare(ffn_weights(self.model))
+
+    def neighbour(self, t: Techniques) -> Neighbour | None:
+        if t == NORMAL:
+            return None
+        if t not in self._neighbours:
+            self._neighbours[t] = Neighbour(t, self.lowrank)
+        return self._neighbours[t]
+
+    def run_pieces(self, pieces, n_ranks: int) -> tuple[float, float]:
+        """Forward and backward of the pieces, gradients accumulated into .grad; returns (sum w*loss, sum w)."""
+        loss_sum, weight_sum = 0.0, 0.0
+        for p in pieces:
+            x, y = self.data.micro_batch(self.seed, self.current_step, rank=p.owner, micro=p.micro, n_ranks=n_ranks)
+            x = torch.as_tensor(x[p.start:p.stop], device=self.device)
+            y = torch.as_tensor(y[p.start:p.stop], device=self.device)
+            with self.autocast():
+                loss = self.model(x, y, neighbour=self.neighbour(p.techniques))
+            (loss * p.weight).backward() if p.weight != 1 else loss.backward()
+            loss_sum += loss.item() * p.weight
+            weight_sum += p.weight
+        self.lowrank.finish()
+        return loss_sum, weight_sum
+
+    def normalise(self, counts: dict[str, float]) -> None:
+        """.grad holds the weighted sums; divide each group by its weight (no gradient where it is 0)."""
+        for name, p in self.model.named_parameters():
+            c = counts[group_of(name)]
+            if c == 0:
+                p.grad = None
+            elif p.grad is not None and c != 1:
+                p.grad.div_(c)
+
+
+class LocalCluster(_Common):
+    """n ranks simulated in one process: their pieces run one after another into the same .grad."""
+
+    def step(self, plan: StepPlan) -> StepResult:
+        self.current_step = plan.step
+        self.model.zero_grad(set_to_none=True)
+        loss_sum, weight_sum = 0.0, 0.0
+        for rank in sorted(plan.pieces):
+            ls, ws = self.run_pieces(plan.pieces[rank], self.n_ranks)
+            loss_sum, weight_sum = loss_sum + ls, weight_sum + ws
+        self.normalise(plan.counts(len(self.model.layers)))
+        return StepResult(loss_sum / max(weight_sum, 1e-12), plan.samples())
+
+    def updates(self, plan: StepPlan) -> bool:
+        return not plan.skipped
+
+    def transition(self, plan: StepPlan, optimizer) -> None:
+        """Nothing is lost in one process: the single model is everyone's state."""
+
+    def sync_for_io(self, failed: frozenset[int], optimizer) -> None:
+        pass
+
+
+class TorchCluster(_Common):
+    """One process per rank (torchrun). A failed rank computes nothing and contributes zeros; everyone
+    all-reduces the weighted gradient sums; a failed rank loses its state and, on recovery, receives the
+    parameters, optimizer state and low-rank subspaces from a live rank before it rejoins."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.rank, self.n_ranks = dist.get_rank(), dist.get_world_size()
+        self.valid = set(range(self.n_ranks))  # ranks whose state is current
+        self.prev_failed: frozenset[int] = frozenset()
+
+    def transition(self, plan: StepPlan, optimizer) -> None:
+        failed = plan.failed
+        alive = set(range(self.n_ranks)) - failed
+        for r in sorted(failed - self.prev_failed):
+            if alive:  # with everyone down the last state survives, as in a checkpoint
+                self.valid.discard(r)
+                if r == self.rank:
+                    self._wipe(optimizer)
+        recovered = sorted(r for r in alive if r not in self.valid)
+        if recovered:
+            self._broadcast_state(min(self.valid), optimizer)
+            self.valid |= set(recovered)
+        self.prev_failed = failed
+
+    def _wipe(self, optimizer) -> None:
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.fill_(float("nan"))
+        optimizer.state.clear()
+        self.lowrank.refresh()
+
+    def _broadcast_state(self, src: int, optimizer) -> None:
+        with torch.no_grad():
+            for p in self.model.parameters():
+                self.dist.broadcast(p.data, src)
+        payload = [(optimizer.state_dict(), self.lowrank.state_dict(self.model)) if self.rank == src else None]
+        self.dist.broadcast_object_list(payload, src=src, device=self.device if self.device.type == "cuda" else None)
+        if self.rank != src:
+            optimizer.load_state_dict(payload[0][0])
+            self.lowrank.load_state_dict(payload[0][1], self.model)
+
+    def sync_for_io(self, failed: frozenset[int], optimizer) -> None:
+        """Before rank 0 evaluates or writes a checkpoint: give it the current state if it has none."""
+        if 0 not in self.valid:
+            self._broadcast_state(min(self.valid), optimizer)
+
+    def updates(self, plan: StepPlan) -> bool:
+        return not plan.skipped and self.rank not in plan.failed
+
+    def prepare(self, plan: StepPlan, computing: bool = True) -> None:
+        super().prepare(plan, computing=self.rank not in plan.failed)
+
+    def step(self, plan: StepPlan) -> StepResult:
+        self.current_step = plan.step
+        self.model.zero_grad(set_to_none=True)
+        loss_sum, weight_sum = self.run_pieces(plan.pieces.get(self.rank, ()), self.n_ranks)
+        params = list(self.model.parameters())
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+                         + [torch.tensor([loss_sum, weight_sum], device=self.device, dtype=params[0].dtype)])
+        self.dist.all_reduce(flat)
+        offset = 0
+        for p in params:
+            p.grad = flat[offset: offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        self.normalise(plan.counts(len(self.model.layers)))
+        return StepResult(flat[-2].item() / max(flat[-1].item(), 1e-12), plan.samples())
+
+
+def ffn_weights(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for name, p in model.named_parameters() if ".ffn." in name and name.endswith("_proj.weight")]
+
+
+def snapshot(model: torch.nn.Module, optimizer) -> dict:
+    """An in-memory checkpoint (checkpoint-restart)."""
+    return {"model": copy.deepcopy(model.state_dict()), "optimizer": copy.deepcopy(optimizer.state_dict())}
+
+
+def restore(model: torch.nn.Module, optimizer, snap: dict) -> None:
+    model.load_state_dict(snap["model"])
+    optimizer.load_state_dict(snap["optimizer"])

@@ -1,0 +1,182 @@
+"""Failure scenarios (the paper's Table 1), a seeded process turning one into failed ranks per step, and
+traces in the CSV format of Bamboo's and Oobleck's public traces (`t_ms,add|remove,nodeN`, no header).
+
+Table 1 is stated for a 32-rank cluster: a new failure every `interval_h` hours, each failed rank recovering
+after `recovery_h` hours. We keep the per-rank failure rate, 1 / (32 interval_h) per hour, so n ranks see
+failures arrive as a Poisson process of rate n / (32 interval_h) per hour; each arrival takes down a rank
+drawn uniformly among the alive ranks that can fail (all, or a fixed subset in asymmetric mode), for a
+fixed (or, optionally, exponential) recovery time. By Little's law the expected fraction of failed ranks
+is about recovery_h / (32 interval_h): 6.25 % (low), 9.4 % (mid), 12.5 % (high).
+Hours become steps through `seconds_per_step`: rank r is failed at step s if it is down at time s * seconds_per_step.
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import UsageError
+
+REFERENCE_RANKS = 32
+
+
+@dataclass(frozen=True)
+class FailureScenario:
+    name: str
+    interval_h: float  # a new failure every ... hours on a REFERENCE_RANKS-rank cluster (inf: never)
+    recovery_h: float  # a failed rank recovers after ... hours
+
+    def expected_failed_fraction(self) -> float:
+        """Little's law: arrivals per rank-hour x hours down."""
+        return 0.0 if self.interval_h == float("inf") else min(1.0, self.recovery_h / (REFERENCE_RANKS * self.interval_h))
+
+    def expected_events(self, n_ranks: int, hours: float) -> float:
+        return 0.0 if self.interval_h == float("inf") else n_ranks * hours / (REFERENCE_RANKS * self.interval_h)
+
+
+SCENARIOS = {
+    "none": FailureScenario("none", float("inf"), 0.0),
+    "low": FailureScenario("low", 2.0, 4.0),
+    "mid": FailureScenario("mid", 1.0, 3.0),
+    "high": FailureScenario("high", 0.5, 2.0),
+}
+
+
+@dataclass(frozen=True)
+class Event:
+    time_s: float
+    kind: str  # "remove" (the rank fails) | "add" (the rank is back)
+    rank: int
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Failed ranks at each step, and the events they came from."""
+
+    n_ranks: int
+    failed: tuple[frozenset[int], ...]  # one entry per step
+    events: tuple[Event, ...]
+    seconds_per_step: float
+
+    def fraction_failed(self) -> float:
+        return float(np.mean([len(f) for f in self.failed])) / self.n_ranks if self.failed else 0.0
+
+    def failure_events(self) -> int:
+        return sum(e.kind == "remove" for e in self.events)
+
+    def new_failures(self, step: int) -> frozenset[int]:
+        """Ranks that are failed at `step` and were not at step - 1."""
+        before = self.failed[step - 1] if step > 0 else frozenset()
+        return self.failed[step] - before
+
+
+def generate(scenario: FailureScenario, n_ranks: int, steps: int, seconds_per_step: float, seed: int,
+             recovery: str = "fixed", failable: tuple[int, ...] | None = None) -> Schedule:
+    """Sample a schedule: Poisson arrivals at rate n / (32 interval_h) per hour (all arrivals land on the
+    `failable` subset in asymmetric mode), the failed rank uniform among alive failable ranks (an arrival
+    finding none alive is lost), recovery after recovery_h (fixed) or Exp(mean recovery_h)."""
+    if recovery not in ("fixed", "exponential"):
+        raise UsageError(f"cluster.recovery={recovery!r}; allowed: 'fixed', 'exponential'")
+    pool = tuple(range(n_ranks)) if failable is None else tuple(failable)
+    if any(not 0 <= r < n_ranks for r in pool):
+        raise UsageError(f"cluster.failable={list(pool)} must name ranks in 0..{n_ranks - 1}")
+    horizon = steps * seconds_per_step
+    rng = np.random.default_rng([seed, n_ranks, 7919])
+    events: list[Event] = []
+    if scenario.interval_h != float("inf") and pool:
+        rate_per_s = n_ranks / (REFERENCE_RANKS * scenario.interval_h * 3600.0)
+        down_until = {r: -1.0 for r in pool}
+        t = rng.exponential(1 / rate_per_s)
+        while t < horizon:
+            alive = [r for r in pool if down_until[r] <= t]
+            if alive:
+                rank = alive[rng.integers(len(alive))]
+                hours = scenario.recovery_h if recovery == "fixed" else rng.exponential(scenario.recovery_h)
+                down_until[rank] = t + hours * 3600.0
+                events += [Event(t, "remove", rank), Event(t + hours * 3600.0, "add", rank)]
+            t += rng.exponential(1 / rate_per_s)
+    return from_events(n_ranks, steps, seconds_per_step, events)
+
+
+def from_events(n_ranks: int, steps: int, seconds_per_step: float, events: list[Event],
+                initially_down: frozenset[int] = frozenset()) -> Schedule:
+    events = sorted(events, key=lambda e: (e.time_s, e.kind == "remove"))  # at equal times, recover first
+    down, failed, i = set(initially_down), [], 0
+    for step in range(steps):
+        t = step * seconds_per_step
+        while i < len(events) and events[i].time_s <= t:
+            (down.add if events[i].kind == "remove" else down.discard)(events[i].rank)
+            i += 1
+        failed.append(frozenset(down))
+    return Schedule(n_ranks, tuple(failed), tuple(events), seconds_per_step)
+
+
+def export_trace(schedule: Schedule, path: str | Path) -> None:
+    """Write `t_ms,add|remove,nodeN` rows: every rank added at 0 ms (node{r+1} is rank r), then the events."""
+    rows = [(0, "add", f"node{r + 1}") for r in range(schedule.n_ranks)]
+    rows += [(round(e.time_s * 1000), e.kind, f"node{e.rank + 1}") for e in schedule.events]
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows(rows)
+
+
+def read_trace(path: str | Path, n_ranks: int, steps: int, seconds_per_step: float) -> Schedule:
+    """Replay a trace on n ranks. Nodes map to ranks in order of first appearance; a node whose first
+    event is a removal, or that is first added after 0 ms, starts down; nodes beyond n ranks are ignored."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"failure trace {path} does not exist")
+    ranks: dict[str, int] = {}
+    events, initially_down = [], set()
+    with open(path, newline="") as f:
+        for lineno, row in enumerate(csv.reader(f), start=1):
+            if not row or all(not c.strip() for c in row):
+                continue
+            if len(row) != 3 or row[1].strip() not in ("add", "remove") or not row[2].strip():
+                raise UsageError(f"{path}:{lineno}: expected 't_ms,add|remove,node', got {','.join(row)!r}")
+            try:
+                t_ms = float(row[0])
+            except ValueError:
+                raise UsageError(f"{path}:{lineno}: time {row[0]!r} is not a number of milliseconds") from None
+            if t_ms < 0:
+                raise UsageError(f"{path}:{lineno}: negative time {row[0]}")
+            node, kind = row[2].strip(), row[1].strip()
+            if node not in ranks:
+                if len(ranks) >= n_ranks:
+                    continue
+                ranks[node] = len(ranks)
+                if kind == "remove" or t_ms > 0:
+                    initially_down.add(ranks[node])
+                if kind == "add" and t_ms == 0:
+                    continue
+            events.append(Event(t_ms / 1000.0, kind, ranks[node]))
+    return from_events(n_ranks, steps, seconds_per_step, events, frozenset(initially_down))
+
+
+def scenario(spec: str) -> FailureScenario:
+    """A preset name, or 'custom:<interval_h>:<recovery_h>' (e.g. custom:0.25:1 keeps high's 1:4 ratio)."""
+    if spec in SCENARIOS:
+        return SCENARIOS[spec]
+    parts = spec.split(":")
+    try:
+        if parts[0] != "custom" or len(parts) != 3:
+            raise ValueError
+        interval, recovery = float(parts[1]), float(parts[2])
+        if interval <= 0 or recovery < 0:
+            raise ValueError
+    except ValueError:
+        raise UsageError(f"cluster.failures={spec!r}; allowed: {', '.join(SCENARIOS)}, "
+                         "custom:<interval_h>:<recovery_h> or a trace .csv file") from None
+    return FailureScenario(spec, interval, recovery)
+
+
+def resolve(spec: str, n_ranks: int, steps: int, seconds_per_step: float, seed: int, recovery: str = "fixed",
+            failable: tuple[int, ...] | None = None) -> Schedule:
+    """A scenario (name or custom:...) or the path of a trace CSV."""
+    if spec in SCENARIOS or spec.startswith("custom:"):
+        return generate(scenario(spec), n_ranks, steps, seconds_per_step, seed, recovery, failable)
+    if spec.endswith(".csv") or Path(spec).exists():
+        return read_trace(spec, n_ranks, steps, seconds_per_step)
+    return generate(scenario(spec), n_ranks, steps, seconds_per_step, seed, recovery, failable)  # raises

@@ -1,0 +1,215 @@
+import json
+import os
+import subprocess
+import sys
+from contextlib import nullcontext
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from experiments.common import CONFIGS, ROOT
+from mecefo import config as config_mod
+from mecefo.cluster import (LocalCluster, Piece, StepPlan, assign_neighbours, group_of, plan_step, rank_flops)
+from mecefo.data import DataConfig, TokenData
+from mecefo.model import GPT, preset
+from mecefo.neighbour import MECEFO, LowRankWgrad, Neighbour, Techniques
+from mecefo.train import main, run
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 12), data=st.data())
+def test_neighbour_assignment_invariants(n, data):
+    failed = frozenset(data.draw(st.sets(st.integers(0, n - 1), max_size=n)))
+    out = assign_neighbours(failed, n)
+    alive = set(range(n)) - failed
+    if not alive:
+        assert out == {}
+        return
+    assert set(out) == failed  # every failed rank is covered while any rank is alive
+    assert all(nb in alive for nb in out.values())  # only alive ranks cover
+    load = [list(out.values()).count(r) for r in alive]
+    if len(failed) <= len(alive):
+        assert max(load, default=0) <= 1  # nobody covers two while a free rank exists
+    else:
+        assert max(load) - min(load) <= 1  # beyond that, the load is spread evenly
+
+
+def test_neighbour_is_the_next_alive_rank_in_ring_order():
+    assert assign_neighbours(frozenset({1}), 4) == {1: 2}
+    assert assign_neighbours(frozenset({3}), 4) == {3: 0}
+    assert assign_neighbours(frozenset({1, 2}), 4) == {1: 3, 2: 0}  # 3 is taken by 1, so 2 goes on to 0
+
+
+@pytest.mark.parametrize("policy", ["mecefo", "ndb-exact", "drop", "spread", "spread-mecefo", "checkpoint-restart"])
+def test_failed_ranks_compute_nothing_and_every_sample_is_accounted(policy):
+    plan = plan_step(policy, 0, frozenset({1, 4}), 6, 2, 8, MECEFO)
+    if policy != "checkpoint-restart":
+        assert not set(plan.pieces) & {1, 4}
+    owners = sorted({(p.owner, p.micro) for ps in plan.pieces.values() for p in ps})
+    expected = [(r, m) for r in range(6) for m in range(2) if policy != "drop" or r not in (1, 4)]
+    assert owners == expected
+    assert plan.samples() == len(expected) * 8
+
+
+def test_aggregation_weights_by_hand():
+    """n = 3, rank 1 failed, its neighbour is 2: attention averages over N = {0}, the rest over 3 micro-batches."""
+    plan = plan_step("mecefo", 0, frozenset({1}), 3, 1, 4, MECEFO)
+    assert plan.neighbours == {1: 2}
+    c = plan.counts(2)
+    assert c["attention.0"] == c["attention.1"] == 1 and c["ffn.0"] == 3 and c["other"] == 3
+    drop = plan_step("drop", 0, frozenset({1}), 3, 1, 4).counts(2)
+    assert drop["attention.0"] == drop["other"] == 2
+    spread = plan_step("spread", 0, frozenset({1}), 3, 1, 4)
+    assert [(p.owner, p.start, p.stop) for p in spread.pieces[0]] == [(0, 0, 4), (1, 0, 2)]
+    assert spread.counts(1)["other"] == 3
+    mixed = plan_step("spread-mecefo", 0, frozenset({1}), 3, 1, 4, MECEFO).counts(1)
+    assert mixed["attention.0"] == 2 and mixed["other"] == 3  # extra shares skip attention
+
+
+def test_group_of():
+    assert group_of("layers.3.attention.q_proj.weight") == "attention.3"
+    assert group_of("layers.3.attention_norm.weight") == "attention.3"
+    assert group_of("layers.0.ffn_norm.weight") == "ffn.0"
+    assert group_of("layers.0.ffn.down_proj.weight") == "ffn.0"
+    assert group_of("embedding.weight") == group_of("lm_head.weight") == group_of("norm.weight") == "other"
+
+
+@pytest.fixture(scope="module")
+def nano_data():
+    return TokenData(DataConfig(vocab_size=512, seq_len=32, micro_batch_size=4))
+
+
+def _cluster(nano_data, n):
+    torch.manual_seed(0)
+    model = GPT(preset("nano", vocab_size=512)).double()
+    lowrank = LowRankWgrad(rank=4)
+    return LocalCluster(model, nano_data, 0, torch.device("cpu"), lowrank, nullcontext, n_ranks=n), model, lowrank
+
+
+def test_local_aggregation_matches_an_independent_computation(nano_data):
+    cluster, model, lowrank = _cluster(nano_data, 3)
+    plan = plan_step("mecefo", 0, frozenset({1}), 3, 1, 4, MECEFO)
+    cluster.prepare(plan)
+    cluster.step(plan)
+    got = {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()}
+
+    def grads(rank, techniques):
+        model.zero_grad(set_to_none=True)
+        x, y = (torch.as_tensor(a) for a in nano_data.micro_batch(0, 0, rank=rank, n_ranks=3))
+        nb = None if techniques == Techniques() else Neighbour(techniques, lowrank)
+        model(x, y, neighbour=nb).backward()
+        if nb:
+            nb.finish()
+        return {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+
+    g0, g2, g1 = grads(0, Techniques()), grads(2, MECEFO), grads(1, MECEFO)
+    for name in got:
+        want = g0[name] if ".attention" in name else (g0[name] + g1[name] + g2[name]) / 3
+        assert torch.allclose(got[name], want, atol=1e-12), name
+
+
+def test_failure_free_local_aggregation_equals_ddp(nano_data, tmp_path):
+    out = tmp_path / "ddp.pt"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(ROOT / "tests" / "ddp_reference.py"), str(out)], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ddp = torch.load(out)
+    data = TokenData(DataConfig(vocab_size=512, seq_len=64, micro_batch_size=4))
+    torch.manual_seed(0)
+    model = GPT(preset("nano", vocab_size=data.vocab_size))
+    cluster = LocalCluster(model, data, 0, torch.device("cpu"), LowRankWgrad(), nullcontext, n_ranks=2)
+    cluster.step(plan_step("mecefo", 0, frozenset(), 2, 1, 4))
+    for name, p in model.named_parameters():
+        assert torch.allclose(p.grad, ddp[name], atol=1e-6, rtol=1e-5), name
+
+
+def test_rank_flops_of_a_neighbour():
+    plan = plan_step("mecefo", 0, frozenset({0}), 2, 1, 8, MECEFO)
+    per = rank_flops(plan, lambda rows, t: rows * (1 if t == Techniques() else 2), 5)
+    assert per == {1: 8 * 2 * 2 + 5}
+
+
+def _write_trace(path):
+    # rank 1 fails at step 2 and recovers at step 6; rank 0 fails at step 4 and recovers at step 8
+    path.write_text("0,add,node1\n0,add,node2\n0,add,node3\n0,add,node4\n"
+                    "2000,remove,node2\n4000,remove,node1\n6000,add,node2\n8000,add,node1\n")
+
+
+@pytest.mark.parametrize("policy", ["mecefo", "spread-mecefo"])
+def test_local_and_gloo_backends_end_with_the_same_parameters(tmp_path, policy):
+    trace = tmp_path / "trace.csv"
+    _write_trace(trace)
+    common = ["--config", str(CONFIGS / "nano.toml"), "--steps", "10", "--eval_every", "5", "--failures", str(trace),
+              "--seconds_per_step", "1", "--policy", policy, "--ranks", "4", "--low_rank", "4", "--quiet"]
+    assert main(common + ["--out", str(tmp_path / "local")]) == 0
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+                           "-m", "mecefo.train", *common, "--backend", "torch", "--out", str(tmp_path / "gloo")],
+                          capture_output=True, text=True, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a = torch.load(tmp_path / "local" / "checkpoint.pt", weights_only=False)["model"]
+    b = torch.load(tmp_path / "gloo" / "checkpoint.pt", weights_only=False)["model"]
+    for name in a:
+        assert torch.isfinite(b[name]).all(), name  # the recovered ranks were resynchronised
+        assert torch.allclose(a[name], b[name], atol=1e-5, rtol=1e-4), name
+    rows = [json.loads(line) for line in (tmp_path / "gloo" / "metrics.jsonl").read_text().splitlines()][1:]
+    assert [r["failed"] for r in rows][:9] == [[], [], [1], [1], [0, 1], [0, 1], [0], [0], []]
+
+
+def test_fixed_seed_gives_identical_runs(tmp_path):
+    cfg = config_mod.load(CONFIGS / "nano.toml", {"steps": "8", "ranks": "4", "failures": "high",
+                                                  "seconds_per_step": "5000", "policy": "mecefo"})
+    a, b = run(cfg, tmp_path / "a", quiet=True), run(cfg, tmp_path / "b", quiet=True)
+    assert a["final_val_loss"] == b["final_val_loss"]
+    assert a["failure_schedule"]["events"] > 0
+
+
+def test_checkpoint_restart_replays_and_matches_failure_free(tmp_path):
+    trace = tmp_path / "t.csv"
+    trace.write_text("0,add,node1\n0,add,node2\n7000,remove,node2\n")
+    base = {"steps": "10", "ranks": "2", "seconds_per_step": "1", "restart_every": "5"}
+    cr = run(config_mod.load(CONFIGS / "nano.toml", base | {"failures": str(trace), "policy": "checkpoint-restart"}),
+             tmp_path / "cr", quiet=True)
+    ff = run(config_mod.load(CONFIGS / "nano.toml", base | {"failures": "none"}), tmp_path / "ff", quiet=True)
+    assert cr["replayed_steps"] == 2  # failure at step 7, checkpoint at step 5
+    assert cr["final_val_loss"] == ff["final_val_loss"]
+
+
+def test_all_ranks_down_skips_the_step_or_stops(tmp_path, capsys):
+    trace = tmp_path / "t.csv"
+    trace.write_text("0,add,node1\n0,add,node2\n2000,remove,node1\n2000,remove,node2\n4000,add,node1\n")
+    args = ["--config", str(CONFIGS / "nano.toml"), "--steps", "6", "--ranks", "2", "--failures", str(trace),
+            "--seconds_per_step", "1", "--quiet"]
+    assert main(args + ["--out", str(tmp_path / "skip")]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()][1:]
+    assert [r["skipped"] for r in rows] == [False, False, True, True, False, False]
+    with pytest.raises(RuntimeError, match="all 2 ranks are down at step 2"):
+        main(args + ["--all_down", "error", "--out", str(tmp_path / "error")])
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--policy", "retry"], "cluster.policy='retry'"),
+    (["--ranks", "0"], "cluster.ranks=0"),
+    (["--failures", "often"], "cluster.failures='often'"),
+    (["--techniques", "skip_all"], "cluster.techniques"),
+    (["--failable", "9", "--ranks", "4"], "cluster.failable='9'"),
+    (["--backend", "torch", "--ranks", "2"], "torchrun"),
+])
+def test_bad_cluster_input_exits_2_and_writes_nothing(tmp_path, capsys, extra, message):
+    assert main(["--config", str(CONFIGS / "nano.toml"), "--out", str(tmp_path / "o")] + extra) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_bad_trace_exits_2_with_the_line_number(tmp_path, capsys):
+    trace = tmp_path / "bad.csv"
+    trace.write_text("0,add,node1\n10,explode,node1\n")
+    assert main(["--config", str(CONFIGS / "nano.toml"), "--out", str(tmp_path / "o"), "--ranks", "2",
+                 "--failures", str(trace)]) == 2
+    assert "bad.csv:2" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

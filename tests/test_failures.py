@@ -1,0 +1,106 @@
+import numpy as np
+import pytest
+
+from mecefo import failures
+from mecefo.errors import UsageError
+from mecefo.failures import SCENARIOS, Event, export_trace, from_events, generate, read_trace
+
+
+@pytest.mark.parametrize("name", ["low", "mid", "high"])
+def test_expected_failed_fraction_matches_table_1(name):
+    expected = {"low": 2 / 32, "mid": 3 / 32, "high": 4 / 32}[name]
+    assert SCENARIOS[name].expected_failed_fraction() == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("name, n", [("high", 32), ("mid", 8), ("low", 4)])
+def test_mean_failed_fraction_over_seeds_is_within_a_confidence_interval(name, n):
+    """Little's law: the time-average fraction of failed ranks is recovery / (32 interval), whatever n."""
+    fractions = [generate(SCENARIOS[name], n, 2000, 60.0, seed).fraction_failed() for seed in range(300)]
+    mean, se = np.mean(fractions), np.std(fractions, ddof=1) / np.sqrt(len(fractions))
+    expected = SCENARIOS[name].expected_failed_fraction()
+    # the process starts with everyone alive, so the first recovery_h hours are below steady state
+    horizon_h, recovery_h = 2000 * 60.0 / 3600, SCENARIOS[name].recovery_h
+    expected *= 1 - recovery_h / (2 * horizon_h)
+    assert abs(mean - expected) < 4 * se, (mean, expected, se)
+
+
+def test_per_rank_failure_rate_is_preserved_when_n_changes():
+    sc = SCENARIOS["high"]
+    assert sc.expected_events(8, 10) == pytest.approx(sc.expected_events(32, 10) / 4)
+    events = [generate(sc, 8, 1000, 36.0, s).failure_events() for s in range(200)]
+    assert abs(np.mean(events) - sc.expected_events(8, 10)) < 4 * np.std(events) / np.sqrt(200)
+
+
+def test_same_seed_same_schedule_and_fixed_recovery():
+    a = generate(SCENARIOS["high"], 8, 500, 60.0, seed=3)
+    b = generate(SCENARIOS["high"], 8, 500, 60.0, seed=3)
+    assert a == b
+    start = {}
+    for e in sorted(a.events, key=lambda e: e.time_s):
+        if e.kind == "remove":
+            start[e.rank] = e.time_s
+        else:
+            assert e.time_s - start.pop(e.rank) == pytest.approx(2 * 3600)
+
+
+def test_asymmetric_mode_only_fails_the_given_ranks():
+    s = generate(SCENARIOS["high"], 8, 3000, 60.0, seed=0, failable=(2, 5))
+    assert s.failure_events() > 0
+    assert set().union(*s.failed) <= {2, 5}
+
+
+def test_exponential_recovery_has_the_right_mean():
+    s = [generate(SCENARIOS["mid"], 32, 5000, 60.0, seed, recovery="exponential") for seed in range(20)]
+    durations = []
+    for sched in s:
+        start = {}
+        for e in sorted(sched.events, key=lambda e: e.time_s):
+            if e.kind == "remove":
+                start[e.rank] = e.time_s
+            else:
+                durations.append((e.time_s - start.pop(e.rank)) / 3600)
+    assert abs(np.mean(durations) - 3.0) < 4 * 3.0 / np.sqrt(len(durations))
+
+
+def test_trace_export_and_replay_round_trip(tmp_path):
+    sched = generate(SCENARIOS["high"], 6, 400, 120.0, seed=1)
+    path = tmp_path / "trace.csv"
+    export_trace(sched, path)
+    first = path.read_text().splitlines()[0]
+    assert first == "0,add,node1"
+    replayed = read_trace(path, 6, 400, 120.0)
+    assert replayed.failed == sched.failed
+
+
+def test_replay_of_a_bamboo_style_trace(tmp_path):
+    path = tmp_path / "p3.csv"
+    path.write_text("0,add,node1\n0,add,node2\n0,add,node3\n60000,remove,node2\n120000,add,node2\n90000,remove,node9\n")
+    s = read_trace(path, 3, 5, 30.0)  # node9 is a fourth node: beyond 3 ranks, ignored
+    assert [sorted(f) for f in s.failed] == [[], [], [1], [1], []]
+
+
+@pytest.mark.parametrize("line, message", [
+    ("0,add", "p.csv:2: expected"),
+    ("abc,add,node1", "p.csv:2: time 'abc'"),
+    ("100,crash,node1", "p.csv:2: expected"),
+    ("-5,remove,node1", "p.csv:2: negative time"),
+])
+def test_malformed_trace_names_the_line(tmp_path, line, message):
+    path = tmp_path / "p.csv"
+    path.write_text("0,add,node1\n" + line + "\n")
+    with pytest.raises(UsageError, match=message):
+        read_trace(path, 2, 10, 1.0)
+
+
+def test_custom_scenarios_and_bad_specs():
+    s = failures.resolve("custom:0.25:1", 4, 100, 600.0, 0)
+    assert s.failure_events() > 0
+    for bad in ("sometimes", "custom:0:1", "custom:a:b", "custom:1"):
+        with pytest.raises(UsageError, match="cluster.failures"):
+            failures.resolve(bad, 4, 10, 1.0, 0)
+
+
+def test_events_at_step_boundaries():
+    s = from_events(2, 4, 10.0, [Event(10.0, "remove", 1), Event(30.0, "add", 1)])
+    assert [sorted(f) for f in s.failed] == [[], [1], [1], []]
+    assert s.new_failures(1) == {1} and s.new_failures(2) == frozenset()
