@@ -20,9 +20,14 @@ python -m experiments.bench_train $quick
 step "neighbour cost ablation (the paper's Table 6)"
 python -m experiments.ablation $quick
 
+step "sweep over n, failure level and policy (the paper's Table 3 and Figure 3)"
+python -m experiments.sweep $quick
+[ -z "$quick" ] && python -m experiments.sweep --full
+
 step "figures and tables"
 python -m paper_figures.failure_free $quick
 python -m paper_figures.ablation $quick
+python -m paper_figures.sweep $quick
 
 echo
 echo "results: $PWD/results    figures and tables: $PWD/paper_figures/out"

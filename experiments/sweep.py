@@ -1,0 +1,150 @@
+"""Sweep the data-parallel size n and the failure level across the policies (the paper's Table 3 and
+Figure 3, with seeds): every cell is one training run on the same failure schedule for a given
+(n, level, seed), whichever the policy.
+
+    python -m experiments.sweep [--quick | --full]
+
+Each run lands in results/sweep/<preset>-<config hash>/ (summary.json: resolved config, final validation
+loss and perplexity, wall time, commit; metrics.jsonl) and is reused on rerun; a run that fails is reported
+and the sweep goes on. results/sweep/index-<profile>.json lists the cells of the profile.
+--full writes the paper-scale torchrun commands to results/sweep/full_commands.sh after a dry run
+(configs resolve, shapes instantiate on the meta device); it trains nothing here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from mecefo import config as config_mod
+from mecefo.model import GPT, preset
+from mecefo.records import atomic_write_json, atomic_write_text, git_commit
+from mecefo.train import run
+
+from .common import CONFIGS, RESULTS, guarded
+
+
+@dataclass(frozen=True)
+class Cell:
+    n: int
+    level: str  # none | low | mid | high
+    policy: str
+    seed: int
+    techniques: str = "mecefo"
+    tag: str = "main"  # main (Table 3) | fig3 (skip attention vs skip FFN)
+
+
+def cells(profile: str) -> list[Cell]:
+    """The grid of a profile. Failure-free cells run once per (n, seed): every policy is the same there."""
+    if profile == "quick":
+        out = [Cell(n, "none", "none", 0) for n in (1, 4)]
+        out += [Cell(4, "high", p, 0) for p in ("mecefo", "drop", "ndb-exact")]
+        out += [Cell(4, "high", "mecefo", 0, t, "fig3") for t in ("skip_attention", "skip_ffn")]
+        return out
+    seeds3 = (0, 1, 2)
+    out = [Cell(n, "none", "none", s) for n in (1, 2, 4, 8) for s in seeds3]
+    for n in (2, 4, 8):
+        for level in ("low", "mid", "high"):
+            seeds = seeds3 if n in (4, 8) else (0,)
+            out += [Cell(n, level, p, s) for p in ("mecefo", "drop") for s in seeds]
+            out += [Cell(n, level, "spread-mecefo", s) for s in (seeds if n == 8 else (0,))]
+    out += [Cell(8, "high", p, 0) for p in ("ndb-exact", "spread", "checkpoint-restart")]
+    out += [Cell(8, "high", "mecefo", s, t, "fig3") for t in ("skip_attention", "skip_ffn") for s in seeds3]
+    return out
+
+
+def cell_config(base: str, cell: Cell):
+    """The base config with the cell's n (the global batch split over ranks), failures, policy and seed."""
+    cfg = config_mod.load(CONFIGS / f"{base}.toml")
+    global_batch = cfg.data.micro_batch_size
+    if global_batch % cell.n:
+        raise ValueError(f"global batch {global_batch} does not split over {cell.n} ranks")
+    return config_mod.with_overrides(
+        cfg, data={"micro_batch_size": global_batch // cell.n}, train={"seed": cell.seed},
+        cluster={"ranks": cell.n, "failures": cell.level, "policy": "mecefo" if cell.policy == "none" else cell.policy,
+                 "techniques": cell.techniques})
+
+
+def run_sweep(profile: str) -> dict:
+    base = "sweep-quick" if profile == "quick" else "sweep"
+    grid = cells(profile)
+    index, failed = [], []
+    bar = tqdm(grid, desc=f"sweep ({profile})", disable=not sys.stderr.isatty())
+    t0 = time.perf_counter()
+    for i, cell in enumerate(bar):
+        cfg = cell_config(base, cell)
+        out = RESULTS / "sweep" / f"{cfg.model.preset}-{cfg.hash()}"
+        entry = {**cell.__dict__, "run": str(out.relative_to(RESULTS)), "config_hash": cfg.hash()}
+        try:
+            summary = run(cfg, out, quiet=True)
+            entry["final_val_ppl"] = summary["final_val_ppl"]
+        except Exception as e:  # report and go on; the index records the failure
+            entry["error"] = f"{type(e).__name__}: {e}"
+            failed.append(entry)
+            traceback.print_exc()
+        index.append(entry)
+        if bar.disable:
+            print(f"[{i + 1}/{len(grid)}] n={cell.n} {cell.level:4s} {cell.policy:18s} {cell.techniques:15s} seed {cell.seed}: "
+                  + (f"ppl {entry['final_val_ppl']:.3f}" if "final_val_ppl" in entry else entry["error"]), flush=True)
+    result = {"profile": profile, "base_config": base, "cells": index, "git_commit": git_commit(),
+              "wall_time_s": time.perf_counter() - t0}
+    atomic_write_json(RESULTS / "sweep" / f"index-{profile}.json", result)
+    print(f"sweep {profile}: {len(index) - len(failed)}/{len(index)} runs ok in {result['wall_time_s']:.0f} s "
+          f"-> {RESULTS / 'sweep'}")
+    return result
+
+
+FULL = {  # the paper's settings (PAPER.md): global batch read as sequences of 256 tokens
+    "llama-350m": {"global_batch": 8192, "steps": 6000, "micro_batch": 16},
+    "llama-1b": {"global_batch": 4096, "steps": 20000, "micro_batch": 8},
+    "llama-7b": {"global_batch": 1024, "steps": 60000, "micro_batch": 2},
+}
+
+
+def full_commands(ranks: int = 32, nodes: int = 4) -> str:
+    """torchrun commands for the paper-scale sweep on `nodes` x 8 GPUs; each is dry-run checked here."""
+    lines = ["#!/usr/bin/env bash", "# Paper-scale sweep (not run by run_all.sh): launch on each of the nodes with",
+             "# MASTER_ADDR, NODE_RANK set; C4 shards in $C4_DIR (see README, Data). Generated by experiments/sweep.py --full.",
+             "set -euo pipefail"]
+    for name, s in FULL.items():
+        per_rank = s["global_batch"] // ranks
+        accum = per_rank // s["micro_batch"]
+        with torch.device("meta"):
+            GPT(preset(name))  # the shape instantiates without memory
+        for level in ("none", "low", "mid", "high"):
+            overrides = {"preset": name, "dataset": "c4", "vocab_size": "32000", "seq_len": "256",
+                         "micro_batch_size": str(s["micro_batch"]), "grad_accum": str(accum), "steps": str(s["steps"]),
+                         "lr": "1e-3", "warmup_steps": str(s["steps"] // 10), "eval_every": "1000",
+                         "checkpoint_every": "1000", "ranks": str(ranks), "backend": "torch", "failures": level,
+                         "policy": "mecefo", "seconds_per_step": "2.2", "device": "cuda"}
+            cfg = config_mod.load(None, overrides)  # resolves, or raises with the field named
+            args = " ".join(f"--{k} {v}" for k, v in overrides.items())
+            lines.append(f"torchrun --nnodes {nodes} --nproc_per_node {ranks // nodes} --node_rank $NODE_RANK "
+                         f"--master_addr $MASTER_ADDR -m mecefo.train {args} --data_dir $C4_DIR "
+                         f"--out results/sweep-full/{name}-{level}-{cfg.hash()}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--quick", action="store_true", help="a few nano cells (CI)")
+    group.add_argument("--full", action="store_true", help="write the paper-scale torchrun commands (dry run)")
+    args = parser.parse_args(argv)
+    if args.full:
+        path = RESULTS / "sweep" / "full_commands.sh"
+        atomic_write_text(path, full_commands())
+        print(f"paper-scale commands (dry-run checked: configs resolve, shapes instantiate on meta) -> {path}")
+        return 0
+    result = run_sweep("quick" if args.quick else "default")
+    return 1 if any("error" in c for c in result["cells"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(guarded(main))
