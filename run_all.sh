@@ -24,10 +24,16 @@ step "sweep over n, failure level and policy (the paper's Table 3 and Figure 3)"
 python -m experiments.sweep $quick
 [ -z "$quick" ] && python -m experiments.sweep --full
 
+step "analysis: bias and variance, Assumption 3 along training, the O(1/sqrt(nT)) rate"
+python -m analysis.bias_variance $quick
+python -m analysis.grad_error $quick
+python -m analysis.rate $quick
+
 step "figures and tables"
 python -m paper_figures.failure_free $quick
 python -m paper_figures.ablation $quick
 python -m paper_figures.sweep $quick
+python -m analysis.run_notebooks
 
 echo
 echo "results: $PWD/results    figures and tables: $PWD/paper_figures/out"

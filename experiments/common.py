@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from mecefo.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "experiments" / "configs"
-RESULTS = ROOT / "results"
+RESULTS = Path(os.environ.get("MECEFO_RESULTS", ROOT / "results"))  # tests point it at a temporary folder
 PROFILES = ("quick", "default", "full")
 
 

@@ -171,12 +171,12 @@ def test_fixed_seed_gives_identical_runs(tmp_path):
 
 def test_checkpoint_restart_replays_and_matches_failure_free(tmp_path):
     trace = tmp_path / "t.csv"
-    trace.write_text("0,add,node1\n0,add,node2\n7000,remove,node2\n")
+    trace.write_text("0,add,node1\n0,add,node2\n7000,remove,node2\n8000,add,node2\n9000,remove,node1\n")
     base = {"steps": "10", "ranks": "2", "seconds_per_step": "1", "restart_every": "5"}
     cr = run(config_mod.load(CONFIGS / "nano.toml", base | {"failures": str(trace), "policy": "checkpoint-restart"}),
              tmp_path / "cr", quiet=True)
     ff = run(config_mod.load(CONFIGS / "nano.toml", base | {"failures": "none"}), tmp_path / "ff", quiet=True)
-    assert cr["replayed_steps"] == 2  # failure at step 7, checkpoint at step 5
+    assert cr["replayed_steps"] == 2 + 4  # failures at steps 7 and 9, both back to the checkpoint at step 5
     assert cr["final_val_loss"] == ff["final_val_loss"]
 
 

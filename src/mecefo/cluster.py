@@ -58,6 +58,7 @@ class ClusterConfig:
     low_rank: float = 0.125  # r of low_rank_wgrad (>= 1 absolute, < 1 a fraction of min(m, n))
     low_rank_tau: int = 50  # optimizer steps between SVD refreshes of V1
     failure_seed: int = -1  # seed of the failure process (-1: the training seed)
+    track_grad_error: bool = False  # also compute the failure-free gradient and log Assumption 3's relative error
 
     def validate(self) -> None:
         if self.ranks < 1:
@@ -354,5 +355,7 @@ def snapshot(model: torch.nn.Module, optimizer) -> dict:
 
 
 def restore(model: torch.nn.Module, optimizer, snap: dict) -> None:
+    """Back to the snapshot; copies, because load_state_dict keeps the optimizer's state tensors as given
+    and training would then advance the snapshot itself (a second rollback to it would be wrong)."""
     model.load_state_dict(snap["model"])
-    optimizer.load_state_dict(snap["optimizer"])
+    optimizer.load_state_dict(copy.deepcopy(snap["optimizer"]))

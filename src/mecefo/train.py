@@ -240,7 +240,9 @@ def run(cfg: Config, out: Path, resume: bool = False, stop_after: int | None = N
         lowrank.steps = step
         cluster.prepare(plan)
         lr = cfg.optim.lr * lr_at(step, cfg.optim, tc.steps)
+        exact = _failure_free_gradient(cluster, plan, cfg) if cc.track_grad_error and plan.failed and not plan.skipped else None
         result = cluster.step(plan)
+        rel_error = _relative_error(model, exact) if exact is not None else None
         grad_norm = float("nan")
         if cluster.updates(plan):
             grad_norm = apply_update(model, optimizer, lr, cfg.optim.grad_clip)
@@ -256,7 +258,7 @@ def run(cfg: Config, out: Path, resume: bool = False, stop_after: int | None = N
                "failed": sorted(plan.failed), "neighbours": {str(j): nb for j, nb in plan.neighbours.items()},
                "attention_ranks": plan.counts(1)["attention.0"] / dc.grad_accum, "skipped": plan.skipped,
                "busiest_rank_flops": max(per_rank.values(), default=0) / flops.normal_rank,
-               "replayed_steps": restart["replayed"], "replay": step <= furthest}
+               "replayed_steps": restart["replayed"], "replay": step <= furthest, "grad_rel_error": rel_error}
         furthest = max(furthest, step)
         if step % tc.eval_every == 0 or step == tc.steps:
             row["val_loss"] = evaluate_now("val", plan.failed)
@@ -292,6 +294,21 @@ def run(cfg: Config, out: Path, resume: bool = False, stop_after: int | None = N
     atomic_write_json(out / "summary.json", summary)
     _log(f"done: val loss {val_loss:.4f} (ppl {math.exp(val_loss):.2f}) -> {out}", quiet)
     return summary
+
+
+def _failure_free_gradient(cluster, plan, cfg: Config) -> list[torch.Tensor]:
+    """The aggregated gradient the same step would have had without failures (same batches)."""
+    reference = plan_step(cfg.cluster.policy, plan.step, frozenset(), cfg.cluster.ranks, cfg.data.grad_accum,
+                          cfg.data.micro_batch_size)
+    cluster.step(reference)
+    return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in cluster.model.parameters()]
+
+
+def _relative_error(model: GPT, exact: list[torch.Tensor]) -> float:
+    """Assumption 3's ||g~ - g|| / ||g|| (mecefo.stats.relative_error), over all parameters."""
+    approx = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+    diff = torch.sqrt(sum(((a - e) ** 2).sum() for a, e in zip(approx, exact)))
+    return (diff / torch.sqrt(sum((e ** 2).sum() for e in exact))).item()
 
 
 def _token_data(cfg: Config, main: bool) -> TokenData:

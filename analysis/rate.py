@@ -1,0 +1,158 @@
+"""An empirical test of Theorem 1's O(1/sqrt(nT)) rate, and the GPT sweep's curves against nT.
+
+    python -m analysis.rate [--quick]
+
+(a) A synthetic smooth non-convex problem with a computable gradient,
+        f(x) = sum_i x_i^2 / 2 + 2 sin^2(x_i),   grad f(x)_i = x_i + 2 sin(2 x_i)   (L = 5),
+    on which n workers each draw g_i = grad f(x) + sigma xi_i (xi_i standard normal). Each step every
+    worker fails independently with probability p. The MeCeFO analogue: coordinates split into an
+    "attention" block and an "FFN" block; worker j + 1 covers a failed worker j (when it is alive itself;
+    otherwise j's sample is lost); the covering neighbour's two gradients skip the attention block (which
+    is averaged over N, the workers neither failed nor neighbours) and pass their FFN block through a
+    fixed rank-r projector P (the low-rank Wgrad); everything else is averaged over all contributions.
+    `drop` averages the survivors. Momentum SGD (beta = 0.9) with the theory's step eta = c sqrt(n / T).
+    The quantity is (1/T) sum_t ||grad f(x_t)||^2 averaged over seeds; its slope against nT should be -1/2.
+(b) From results/sweep: training loss and gradient norm of the failure-free GPT runs against n x step.
+Writes results/analysis/rate-<profile>.json and paper_figures/out/rate_*.png|pdf.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import seaborn as sns
+
+from experiments.common import RESULTS, guarded
+from mecefo.records import atomic_write_json, git_commit
+from mecefo.stats import fit_rate
+from paper_figures.common import read_jsonl, save_figure, style
+
+POLICIES = ("failure-free", "drop", "mecefo")
+
+
+def grad_f(x: np.ndarray) -> np.ndarray:
+    return x + 2 * np.sin(2 * x)
+
+
+def aggregate(policy: str, grads: np.ndarray, failed: np.ndarray, d_att: int, proj: np.ndarray) -> np.ndarray:
+    """grads (S, n, d) per worker, failed (S, n) -> the aggregated gradient (S, d) of the policy."""
+    if policy == "failure-free" or not failed.any():
+        return grads.mean(axis=1)
+    alive = ~failed
+    if policy == "drop":
+        w = alive.astype(float)
+        return (grads * w[..., None]).sum(1) / np.maximum(w.sum(1), 1)[:, None]
+    covered = failed & np.roll(alive, -1, axis=1)  # worker j + 1 computes j's gradient
+    neighbour = np.roll(covered, 1, axis=1)  # ... and is then a neighbour
+    approx = covered | neighbour  # gradients computed on a neighbour
+    contributes = alive | covered
+    att_w = (alive & ~neighbour).astype(float)
+    att = (grads[..., :d_att] * att_w[..., None]).sum(1) / np.maximum(att_w.sum(1), 1)[:, None]
+    ffn = grads[..., d_att:].copy()
+    ffn[approx] = ffn[approx] @ proj
+    w = contributes.astype(float)
+    ffn = (ffn * w[..., None]).sum(1) / np.maximum(w.sum(1), 1)[:, None]
+    return np.concatenate([att, ffn], axis=1)
+
+
+def simulate(policy: str, n: int, steps: int, seeds: int, d: int = 32, d_att: int = 8, rank: int = 6,
+             sigma: float = 4.0, p_fail: float = 0.125, c: float = 0.2, beta: float = 0.9, seed: int = 0) -> float:
+    """Mean over seeds of (1/T) sum_t ||grad f(x_t)||^2 under momentum SGD with eta = c sqrt(n / T)."""
+    rng = np.random.default_rng([seed, n, steps, POLICIES.index(policy)])
+    basis = np.linalg.qr(np.random.default_rng(12345).normal(size=(d - d_att, rank)))[0]
+    proj = basis @ basis.T  # fixed: the same subspace for every run
+    eta = c * np.sqrt(n / steps)
+    x = np.random.default_rng([seed, 99]).normal(scale=2.0, size=(seeds, d))  # same start for every policy
+    m = np.zeros_like(x)
+    total = np.zeros(seeds)
+    for _ in range(steps):
+        g_true = grad_f(x)
+        total += (g_true ** 2).sum(1)
+        grads = g_true[:, None, :] + sigma * rng.normal(size=(seeds, n, d))
+        failed = rng.random((seeds, n)) < p_fail if n > 1 else np.zeros((seeds, 1), bool)
+        g = aggregate(policy, grads, failed, d_att, proj)
+        m = beta * m + (1 - beta) * g
+        x = x - eta * m
+    return float((total / steps).mean())
+
+
+def synthetic(quick: bool) -> dict:
+    ns = (1, 4, 16) if quick else (1, 2, 4, 8, 16)
+    ts = (100, 316, 1000) if quick else (100, 316, 1000, 3162, 10000)
+    seeds = 16 if quick else 32
+    rows = [{"policy": p, "n": n, "T": t, "nT": n * t, "mean_sq_grad": simulate(p, n, t, seeds)}
+            for p in POLICIES for n in ns for t in ts]
+    fits = {}
+    for p in POLICIES:
+        sub = [r for r in rows if r["policy"] == p]
+        f = fit_rate([r["nT"] for r in sub], [r["mean_sq_grad"] for r in sub])
+        fits[p] = {"slope": f.slope, "intercept": f.intercept, "ci95": list(f.ci), "contains_-0.5": f.contains(-0.5)}
+    return {"points": rows, "fits": fits, "seeds": seeds, "ns": ns, "ts": ts}
+
+
+def gpt_curves(profile: str) -> list[dict]:
+    index = RESULTS / "sweep" / f"index-{profile}.json"
+    if not index.exists():
+        return []
+    rows = []
+    for c in json.loads(index.read_text())["cells"]:
+        if c["level"] == "none" and c["seed"] == 0 and "error" not in c:
+            for m in read_jsonl(RESULTS / c["run"] / "metrics.jsonl"):
+                if m.get("loss") is not None:
+                    rows.append({"n": c["n"], "nT": c["n"] * m["step"], "loss": m["loss"], "grad_norm": m["grad_norm"]})
+    return rows
+
+
+def figures(result: dict):
+    style()
+    pts = pd.DataFrame(result["synthetic"]["points"])
+    fig, ax = plt.subplots(figsize=(5.8, 4))
+    sns.scatterplot(pts, x="nT", y="mean_sq_grad", hue="policy", style="n", ax=ax)
+    xs = np.logspace(np.log10(pts["nT"].min()), np.log10(pts["nT"].max()), 50)
+    for i, (p, f) in enumerate(result["synthetic"]["fits"].items()):
+        ax.plot(xs, np.exp(f["intercept"]) * xs ** f["slope"], color=sns.color_palette()[i], lw=1,
+                label=f"{p}: slope {f['slope']:.3f} [{f['ci95'][0]:.3f}, {f['ci95'][1]:.3f}]")
+    anchor = pts[pts["policy"] == "failure-free"]["mean_sq_grad"].max() * pts["nT"].min() ** 0.5
+    ax.plot(xs, anchor * xs ** -0.5, "k--", lw=1, label="theory: slope -1/2")
+    ax.set(xscale="log", yscale="log", xlabel="nT", ylabel="(1/T) sum ||grad f(x_t)||^2",
+           title="Synthetic non-convex problem, momentum SGD, eta ~ sqrt(n/T)")
+    ax.legend(fontsize=6, loc="lower left")
+    out = [save_figure(fig, "rate_synthetic")]
+    if result["gpt"]:
+        df = pd.DataFrame(result["gpt"])
+        fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+        for ax, col in zip(axes, ("loss", "grad_norm")):
+            sns.lineplot(df, x="nT", y=col, hue="n", palette="viridis", ax=ax, lw=0.8)
+            ax.set(xscale="log", yscale="log", xlabel="n x step")
+        fig.suptitle("GPT sweep, failure-free runs (global batch fixed: n x step counts ranks, not samples)", fontsize=9)
+        out.append(save_figure(fig, "rate_gpt_curves"))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    quick = parser.parse_args(argv).quick
+    profile = "quick" if quick else "default"
+    path = RESULTS / "analysis" / f"rate-{profile}.json"
+    if path.exists():
+        result = json.loads(path.read_text())
+    else:
+        result = {"synthetic": synthetic(quick), "git_commit": git_commit()}
+    result["gpt"] = gpt_curves(profile)
+    atomic_write_json(path, result)
+    figures(result)
+    for p, f in result["synthetic"]["fits"].items():
+        print(f"rate {p}: slope {f['slope']:.3f}, 95% CI [{f['ci95'][0]:.3f}, {f['ci95'][1]:.3f}], "
+              f"-1/2 inside: {f['contains_-0.5']}")
+    print(f"-> {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(guarded(main))
