@@ -24,6 +24,9 @@ step "sweep over n, failure level and policy (the paper's Table 3 and Figure 3)"
 python -m experiments.sweep $quick
 [ -z "$quick" ] && python -m experiments.sweep --full
 
+step "cluster-scale throughput simulation (the paper's Table 2, and 32 to 100k GPUs)"
+python -m experiments.throughput $quick
+
 step "analysis: bias and variance, Assumption 3 along training, the O(1/sqrt(nT)) rate"
 python -m analysis.bias_variance $quick
 python -m analysis.grad_error $quick
@@ -33,6 +36,7 @@ step "figures and tables"
 python -m paper_figures.failure_free $quick
 python -m paper_figures.ablation $quick
 python -m paper_figures.sweep $quick
+python -m paper_figures.throughput $quick
 python -m analysis.run_notebooks
 
 echo
