@@ -48,14 +48,15 @@ def cells(profile: str) -> list[Cell]:
         out += [Cell(4, "high", "mecefo", 0, t, "fig3") for t in ("skip_attention", "skip_ffn")]
         return out
     seeds3 = (0, 1, 2)
-    out = [Cell(n, "none", "none", s) for n in (1, 2, 4, 8) for s in seeds3]
-    for n in (2, 4, 8):
-        for level in ("low", "mid", "high"):
-            seeds = seeds3 if n in (4, 8) else (0,)
-            out += [Cell(n, level, p, s) for p in ("mecefo", "drop") for s in seeds]
-            out += [Cell(n, level, "spread-mecefo", s) for s in (seeds if n == 8 else (0,))]
+    # failure-free runs do not depend on n (the global batch is split, the samples are the same): one seed
+    # for n < 8 checks that, three for n = 8, the main comparison
+    out = [Cell(n, "none", "none", s) for n in (1, 2, 4) for s in (0,)] + [Cell(8, "none", "none", s) for s in seeds3]
+    for level in ("low", "mid", "high"):
+        out += [Cell(8, level, p, s) for p in ("mecefo", "drop") for s in seeds3]
+        out += [Cell(n, level, p, 0) for n in (2, 4) for p in ("mecefo", "drop")]
+        out += [Cell(8, level, "spread-mecefo", 0)]
     out += [Cell(8, "high", p, 0) for p in ("ndb-exact", "spread", "checkpoint-restart")]
-    out += [Cell(8, "high", "mecefo", s, t, "fig3") for t in ("skip_attention", "skip_ffn") for s in seeds3]
+    out += [Cell(8, "high", "mecefo", 0, t, "fig3") for t in ("skip_attention", "skip_ffn")]
     return out
 
 
