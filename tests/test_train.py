@@ -55,6 +55,23 @@ def test_a_finished_run_is_reused_and_another_config_is_refused(nano_cfg, tmp_pa
     assert (tmp_path / "run" / "summary.json").read_bytes() == before
 
 
+def test_an_interrupted_run_without_checkpoint_starts_over(nano_cfg, tmp_path):
+    cfg = config_mod.with_overrides(nano_cfg, train={"steps": 4, "checkpoint_every": 0})
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps({"config_hash": cfg.hash()}))
+    (out / "metrics.jsonl").write_text('{"step": 0, "val_loss": 6.0}\n{"step": 1, "loss": 6.0}\n')
+    summary = run(cfg, out, quiet=True)
+    assert summary["steps"] == 4
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == list(range(5))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(UsageError, match="holds no run of this config"):
+        run(cfg, other, quiet=True)
+    assert (other / "notes.txt").read_text() == "mine"
+
+
 def test_lr_schedule_warmup_then_cosine():
     o = OptimConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
     assert lr_at(0, o, 110) == pytest.approx(0.1)

@@ -3,7 +3,8 @@
 Data-parallel training under failures:  --ranks 8 --failures high --policy mecefo  (one process, simulated
 ranks), or under torchrun:  torchrun --nproc_per_node 8 -m mecefo.train ... --ranks 8 --backend torch.
 
-DIR receives metrics.jsonl (one line per step; validation lines carry val_loss), checkpoint.pt (written
+DIR receives config.json (the resolved config, written first), metrics.jsonl (one line per step; validation
+lines carry val_loss), checkpoint.pt (written
 atomically every train.checkpoint_every steps and at the end) and summary.json (resolved config, final
 validation loss and perplexity, commit, package versions). A rerun with the same config reuses a finished
 DIR and resumes an interrupted one; bad input exits with status 2 before anything is written.
@@ -141,7 +142,10 @@ def _prepare_out(out: Path, cfg: Config, resume: bool) -> dict | None:
     if ckpt.exists():
         _load_checkpoint(ckpt, cfg)  # refuses another config's checkpoint before anything is touched
     elif out.exists() and any(out.iterdir()):
-        raise UsageError(f"--out {out} is not empty and holds no checkpoint of this config; choose another --out")
+        started = out / "config.json"
+        if not (started.exists() and json.loads(started.read_text()).get("config_hash") == cfg.hash()):
+            raise UsageError(f"--out {out} is not empty and holds no run of this config; choose another --out")
+        # our own run, interrupted before its first checkpoint: it starts over
     return None
 
 
@@ -203,6 +207,7 @@ def run(cfg: Config, out: Path, resume: bool = False, stop_after: int | None = N
         metrics_path.unlink()
     if main:
         out.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(out / "config.json", {"config_hash": cfg.hash(), "config": cfg.to_dict()})
     if restart["snapshot"] is None:
         restart["snapshot"] = snapshot(model, optimizer)
     _log(_schedule_line(cfg, schedule), quiet)
