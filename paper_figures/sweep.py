@@ -106,7 +106,7 @@ def ppl_vs_level(rel: pd.DataFrame, df: pd.DataFrame):
     parts = [main[main["level"] != "none"]]
     for policy in sorted(set(main["policy"]) - {"none"}):  # failure-free is every policy's left point
         parts.append(none.assign(policy=policy))
-    data = pd.concat(parts)
+    data = pd.concat(parts, ignore_index=True)
     data = data[data["n"] > 1]
     data["level"] = pd.Categorical(data["level"], LEVELS, ordered=True)
     g = sns.catplot(data, x="level", y="final_val_ppl", hue="policy", col="n", kind="point", errorbar="sd",
