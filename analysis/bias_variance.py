@@ -63,7 +63,7 @@ class GradientSampler:
         self.data = data
 
     def draw(self, policy: str, failed: frozenset[int], address: int, techniques: Techniques, rank: float) -> np.ndarray:
-        lowrank = LowRankWgrad(rank=rank, tau=10**9, svd="exact")
+        lowrank = LowRankWgrad(r=rank, tau=10**9, svd="exact")
         cluster = LocalCluster(self.model, self.data, self.cfg.train.seed, torch.device("cpu"), lowrank, nullcontext,
                                n_ranks=self.n)
         plan = plan_step(policy, address, failed, self.n, 1, self.cfg.data.micro_batch_size, techniques)

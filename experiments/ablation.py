@@ -68,7 +68,7 @@ def time_ratio(name: str, techniques: Techniques, micro_batches: int, rank: floa
     cfg, (b, _) = preset(name), SHAPES[name]
     model = GPT(cfg)
     idx = torch.randint(0, cfg.vocab_size, (b, SEQ_LEN))
-    lowrank = LowRankWgrad(rank=rank)
+    lowrank = LowRankWgrad(r=rank)
 
     def slot(tech: Techniques, count: int) -> float:
         neighbour = None if tech == Techniques() else Neighbour(tech, lowrank)
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                "activation_bytes_together": together, "activation_bytes_sequential": per_micro_bytes,
                "memory_fit": memory_fit(name, together, b)}
         if "low_rank" in row:  # the SVD method LowRankWgrad(svd="auto") picks: exact up to min(m, n) = 1024
-            lr = LowRankWgrad(rank=rank)
+            lr = LowRankWgrad(r=rank)
             rec["svd_flops_per_refresh"] = cfg.n_layers * sum(
                 svd_flops(m, n, r, "exact" if min(m, n) <= lr.exact_limit else "randomized", lr.oversample, lr.niter)
                 for m, n, r in ffn_matrices(cfg, rank))

@@ -86,7 +86,7 @@ def nano_data():
 def _cluster(nano_data, n):
     torch.manual_seed(0)
     model = GPT(preset("nano", vocab_size=512)).double()
-    lowrank = LowRankWgrad(rank=4)
+    lowrank = LowRankWgrad(r=4)
     return LocalCluster(model, nano_data, 0, torch.device("cpu"), lowrank, nullcontext, n_ranks=n), model, lowrank
 
 
@@ -188,8 +188,28 @@ def test_all_ranks_down_skips_the_step_or_stops(tmp_path, capsys):
     assert main(args + ["--out", str(tmp_path / "skip")]) == 0
     rows = [json.loads(line) for line in (tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()][1:]
     assert [r["skipped"] for r in rows] == [False, False, True, True, False, False]
-    with pytest.raises(RuntimeError, match="all 2 ranks are down at step 2"):
-        main(args + ["--all_down", "error", "--out", str(tmp_path / "error")])
+    assert [r["loss"] is None for r in rows] == [r["skipped"] for r in rows]  # no NaN printed as a loss
+    assert [r["tokens_per_s"] == 0 for r in rows] == [r["skipped"] for r in rows]  # only trained tokens count
+    assert rows[-1]["tokens_trained"] == 4 * 2 * 8 * 64  # 4 trained steps x 2 micro-batches (a neighbour covers) x 8 rows x 64
+    summary = json.loads((tmp_path / "skip" / "summary.json").read_text())
+    assert summary["skipped_steps"] == 2 and summary["skipped_fraction"] == pytest.approx(1 / 3)
+    capsys.readouterr()
+    assert main(args + ["--all_down", "error", "--out", str(tmp_path / "error")]) == 3
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "step 3: all 2 ranks are down" in err
+    ckpt = torch.load(tmp_path / "error" / "checkpoint.pt", weights_only=False) if (tmp_path / "error" / "checkpoint.pt").exists() else None
+    assert ckpt is None or ckpt["step"] < 3
+
+
+def test_a_run_that_skips_most_of_its_steps_says_so(tmp_path, capsys):
+    trace = tmp_path / "t.csv"  # spot-style: both nodes preempted at step 2, never back
+    trace.write_text("0,add,node1\n0,add,node2\n2000,remove,node1\n2000,remove,node2\n")
+    args = ["--config", str(CONFIGS / "nano.toml"), "--steps", "6", "--ranks", "2", "--failures", str(trace),
+            "--seconds_per_step", "1", "--out", str(tmp_path / "o")]
+    assert main(args) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert "step 3/6: all 2 ranks down" in "\n".join(out)
+    assert "warning: 4 of 6 steps (67%) were skipped" in out[-1]
 
 
 @pytest.mark.parametrize("extra, message", [

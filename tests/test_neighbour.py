@@ -19,16 +19,20 @@ def double_precision():
     torch.set_default_dtype(before)
 
 
+def linear_of(w):
+    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+    lin.weight = torch.nn.Parameter(w.clone())
+    return lin
+
+
 def lowrank_grads(w, x, gy, r, svd="exact"):
     """(estimated weight gradient, input gradient, V1) of y = x W^T under low_rank_wgrad."""
-    weight = torch.nn.Parameter(w.clone())
-    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
-    lin.weight = weight
+    lin = linear_of(w)
     x = x.clone().requires_grad_(True)
-    lr = LowRankWgrad(rank=r, svd=svd)
+    lr = LowRankWgrad(r=r, svd=svd)
     low_rank_linear(lin, x, lr).backward(gy)
     lr.finish()
-    return weight.grad, x.grad, lr.basis(weight)
+    return lin.weight.grad, x.grad, lr.basis(lin)
 
 
 shapes = st.tuples(st.integers(2, 12), st.integers(2, 12), st.integers(1, 16))  # m, n, b
@@ -89,7 +93,7 @@ def test_exact_when_inputs_lie_in_span_of_v1(shape, seed):
     g = torch.Generator().manual_seed(seed)
     w, gy = torch.randn(m, n, generator=g), torch.randn(b, m, generator=g)
     r = max(1, min(m, n) // 2)
-    v1 = LowRankWgrad(rank=r, svd="exact").basis(torch.nn.Parameter(w.clone()))
+    v1 = LowRankWgrad(r=r, svd="exact").basis(linear_of(w))
     x = torch.randn(b, r, generator=g) @ v1.T
     est = lowrank_grads(w, x, gy, r)[0]
     assert torch.allclose(est, gy.T @ x, atol=1e-9)
@@ -98,27 +102,26 @@ def test_exact_when_inputs_lie_in_span_of_v1(shape, seed):
 def test_factor_accumulates_over_micro_batches_and_applies_once():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(6, 5, generator=g)
-    lin = torch.nn.Linear(5, 6, bias=False)
-    lin.weight = torch.nn.Parameter(w.clone())
-    lr = LowRankWgrad(rank=2, svd="exact")
+    lin = linear_of(w)
+    lr = LowRankWgrad(r=2, svd="exact")
     xs, gys = [torch.randn(4, 5, generator=g) for _ in range(3)], [torch.randn(4, 6, generator=g) for _ in range(3)]
     for x, gy in zip(xs, gys):
         low_rank_linear(lin, x, lr).backward(gy)
-    assert lin.weight.grad is None and lr.has_pending
+    assert lin.weight.grad is None and lr.pending
     lr.finish()
-    p = lr.basis(lin.weight) @ lr.basis(lin.weight).T
+    p = lr.basis(lin) @ lr.basis(lin).T
     assert torch.allclose(lin.weight.grad, sum(gy.T @ x for x, gy in zip(xs, gys)) @ p)
 
 
 def test_subspace_cache_refreshes_every_tau_steps():
-    w = torch.nn.Parameter(torch.randn(8, 6))
-    lr = LowRankWgrad(rank=3, tau=2, svd="exact")
+    w = linear_of(torch.randn(8, 6))
+    lr = LowRankWgrad(r=3, tau=2, svd="exact")
     first = lr.basis(w)
     with torch.no_grad():
-        w.copy_(torch.randn(8, 6))
-    lr.optimizer_step()
+        w.weight.copy_(torch.randn(8, 6))
+    lr.steps = 1
     assert lr.basis(w) is first and lr.svd_count == 1
-    lr.optimizer_step()
+    lr.steps = 2
     assert lr.basis(w) is not first and lr.svd_count == 2
     lr.refresh()
     lr.basis(w)
@@ -128,8 +131,8 @@ def test_subspace_cache_refreshes_every_tau_steps():
 def test_randomized_svd_recovers_a_low_rank_subspace():
     g = torch.Generator().manual_seed(1)
     w = torch.randn(60, 4, generator=g) @ torch.randn(4, 40, generator=g)  # exactly rank 4
-    exact = LowRankWgrad(rank=4, svd="exact").basis(torch.nn.Parameter(w))
-    rand = LowRankWgrad(rank=4, svd="randomized").basis(torch.nn.Parameter(w))
+    exact = LowRankWgrad(r=4, svd="exact").basis(linear_of(w))
+    rand = LowRankWgrad(r=4, svd="randomized").basis(linear_of(w))
     assert torch.allclose(exact @ exact.T, rand @ rand.T, atol=1e-8)
 
 
@@ -197,12 +200,12 @@ def test_skip_attention_block_input_gradient_is_the_residual_paths(model):
 def test_low_rank_wgrad_touches_only_ffn_weights(model):
     idx = torch.randint(0, 64, (3, 20))
     _, normal = grads_of(model, idx)
-    lowrank = LowRankWgrad(rank=4, svd="exact")
+    lowrank = LowRankWgrad(r=4, svd="exact")
     _, approx = grads_of(model, idx, Neighbour(Techniques(low_rank_wgrad=True), lowrank))
     for name in normal:
         if name.endswith(("gate_proj.weight", "up_proj.weight", "down_proj.weight")):
-            w = dict(model.named_parameters())[name]
-            p = lowrank.basis(w) @ lowrank.basis(w).T
+            lin = model.get_submodule(name.removesuffix(".weight"))
+            p = lowrank.basis(lin) @ lowrank.basis(lin).T
             assert torch.allclose(approx[name], normal[name] @ p, atol=1e-12), name
         else:
             assert torch.allclose(approx[name], normal[name], atol=1e-12), name

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from .errors import UsageError
+from .errors import TrainingStopped, UsageError
 from .neighbour import MECEFO, LowRankWgrad, Neighbour, Techniques
 
 POLICIES = ("mecefo", "ndb-exact", "drop", "spread", "spread-mecefo", "checkpoint-restart")
@@ -162,7 +162,7 @@ def plan_step(policy: str, step: int, failed: frozenset[int], n: int, accum: int
     alive = [r for r in range(n) if r not in failed]
     if not alive:
         if all_down == "error":
-            raise RuntimeError(f"all {n} ranks are down at step {step} (cluster.all_down='error')")
+            raise TrainingStopped(f"step {step + 1}: all {n} ranks are down (cluster.all_down='error')")
         return StepPlan(step, failed, {}, {}, skipped=True)
     whole = lambda owner, t: tuple(Piece(owner, m, 0, batch, batch, t) for m in range(accum))  # noqa: E731
     pieces = {r: whole(r, NORMAL) for r in alive}
@@ -216,7 +216,7 @@ class _Common:
         """Refresh V1 (once per tau-step epoch) at a step where some rank uses low_rank_wgrad: every rank
         does it at the same step from the same weights, so all ranks hold the same subspaces."""
         if computing and any(p.techniques.low_rank_wgrad for ps in plan.pieces.values() for p in ps):
-            self.lowrank.prepare(ffn_weights(self.model))
+            self.lowrank.prepare(self.model)
 
     def neighbour(self, t: Techniques) -> Neighbour | None:
         if t == NORMAL:
@@ -343,10 +343,6 @@ class TorchCluster(_Common):
             offset += p.numel()
         self.normalise(plan.counts(len(self.model.layers)))
         return StepResult(flat[-2].item() / max(flat[-1].item(), 1e-12), plan.samples())
-
-
-def ffn_weights(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    return [p for name, p in model.named_parameters() if ".ffn." in name and name.endswith("_proj.weight")]
 
 
 def snapshot(model: torch.nn.Module, optimizer) -> dict:

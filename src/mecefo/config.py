@@ -8,6 +8,7 @@ unique across sections so the short form is never ambiguous.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -123,9 +124,12 @@ def _convert(section: str, name: str, kind: type, value):
     try:
         if kind is int and isinstance(value, float) and not value.is_integer():
             raise ValueError
-        return kind(value)
+        converted = kind(value)
     except (TypeError, ValueError):
         raise UsageError(f"{where}={value!r} must be of type {kind.__name__}") from None
+    if kind is float and not math.isfinite(converted):
+        raise UsageError(f"{where}={value!r} must be a finite number")
+    return converted
 
 
 def _field_types(cls) -> dict[str, type]:

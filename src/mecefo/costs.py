@@ -102,7 +102,7 @@ def counted_flops(cfg: ModelConfig, shape: Shape, techniques: Techniques, rank: 
     on the meta device, with the same keys as analytic_flops."""
     model = model or _meta_model(cfg)
     idx = torch.zeros(shape.batch, shape.seq_len, dtype=torch.long, device="meta")
-    neighbour = None if techniques == Techniques() else Neighbour(techniques, LowRankWgrad(rank=rank, svd="exact"))
+    neighbour = None if techniques == Techniques() else Neighbour(techniques, LowRankWgrad(r=rank, svd="exact"))
     with FlopCounterMode(display=False) as counter:
         model(idx, idx, neighbour=neighbour).backward()
     with FlopCounterMode(display=False) as apply_counter:
@@ -135,7 +135,7 @@ def saved_activation_bytes(cfg: ModelConfig, shape: Shape, techniques: Technique
         return t
 
     idx = torch.zeros(shape.batch, shape.seq_len, dtype=torch.long, device="meta")
-    neighbour = None if techniques == Techniques() else Neighbour(techniques, LowRankWgrad(rank=rank, svd="exact"))
+    neighbour = None if techniques == Techniques() else Neighbour(techniques, LowRankWgrad(r=rank, svd="exact"))
     held: list[torch.Tensor] = []
     if neighbour is not None:
         neighbour.held = held
@@ -163,7 +163,7 @@ def peak_memory(cfg: ModelConfig, shape: Shape, techniques: Techniques, micro_ba
         opt.step()
         opt.zero_grad(set_to_none=True)
         idx = torch.zeros(shape.batch, shape.seq_len, dtype=torch.long)
-        neighbour = None if techniques == Techniques() else Neighbour(techniques, LowRankWgrad(rank=rank, svd="exact"))
+        neighbour = None if techniques == Techniques() else Neighbour(techniques, LowRankWgrad(r=rank, svd="exact"))
         tracker = MemTracker()
         tracker.track_external(model, opt)
         with tracker:

@@ -23,6 +23,8 @@ neighbour; `low_rank_head=True` applies the low-rank estimator to the LM head as
 
 from __future__ import annotations
 
+import contextlib
+import zlib
 from dataclasses import dataclass, fields
 
 import torch
@@ -62,117 +64,182 @@ class Techniques:
 MECEFO = Techniques(skip_attention=True, recompute_ffn=True, low_rank_wgrad=True)
 
 
-def resolve_rank(rank: float, m: int, n: int) -> int:
-    """Rank r of V1 for an m x n weight: r >= 1 is absolute, 0 < r < 1 a fraction of min(m, n); the result
+def resolve_rank(r: float, m: int, n: int) -> int:
+    """Width r of V1 for an m x n weight: r >= 1 is absolute, 0 < r < 1 a fraction of min(m, n); the result
     lies in [1, n] (r = n makes V1 square and the estimator exact; beyond min(m, n) the extra singular
     vectors have singular value 0)."""
-    r = int(rank) if rank >= 1 else round(rank * min(m, n))
+    r = int(r) if r >= 1 else round(r * min(m, n))
     return max(1, min(n, r))
 
 
-class LowRankWgrad:
-    """Per-matrix subspace cache and pending r-column gradient factors.
+def randomized_right_basis(w: torch.Tensor, r: int, oversample: int, niter: int,
+                           generator: torch.Generator) -> torch.Tensor:
+    """Top-r right singular vectors (n x r) of w (m x n) by the randomized range finder (Halko, Martinsson
+    and Tropp 2011, Alg. 4.4), with every random number drawn from `generator` (not the global RNG, so
+    that all ranks that hold the same weight get the same V1 whatever else they have drawn):
+        Omega ~ N(0, 1)^(m x q), q = min(r + oversample, m, n);   Q = orth(w^T Omega)          (n x q)
+        niter times:  Q = orth(w^T orth(w Q))                                                 (power iterations)
+        B = w Q (m x q);  B = U S Z^T;  V1 = (Q Z)[:, :r]
+    """
+    m, n = w.shape
+    q = min(r + oversample, m, n)
+    omega = torch.randn(m, q, generator=generator, device=w.device, dtype=w.dtype)
+    basis = torch.linalg.qr(w.T @ omega).Q
+    for _ in range(niter):
+        basis = torch.linalg.qr(w.T @ torch.linalg.qr(w @ basis).Q).Q
+    z = torch.linalg.svd(w @ basis, full_matrices=False)[2].T  # q x q right singular vectors of B
+    return (basis @ z)[:, :r]
 
-    V1 of a weight is computed at its first use in each epoch of `tau` optimizer steps (count them with
-    `optimizer_step()`; `prepare()` computes all of a model's at once), or again after `refresh()`. `svd`: 'exact' (torch.linalg.svd), 'randomized'
-    (torch.svd_lowrank with `oversample` extra columns and `niter` power iterations) or 'auto' (randomized
-    when min(m, n) > `exact_limit`).
+
+def exact_right_basis(w: torch.Tensor, r: int) -> torch.Tensor:
+    """Top-r right singular vectors (n x r) of w (m x n) by a full SVD (r may exceed min(m, n))."""
+    return torch.linalg.svd(w, full_matrices=r > min(w.shape))[2][:r].T
+
+
+class LowRankWgrad:
+    """Per-matrix subspace cache and pending r-column gradient factors, keyed by the FFN linear module.
+
+    V1 of a weight is computed at its first use in each epoch of `tau` optimizer steps (train.py sets
+    `steps`; `prepare(model)` computes all of a model's at once), or again after `refresh()`. `svd`:
+    'exact' (torch.linalg.svd), 'randomized' (`randomized_right_basis` with `oversample` extra columns and
+    `niter` power iterations) or 'auto' (randomized when min(m, n) > `exact_limit`). The randomized path
+    draws from a generator seeded by (seed, epoch, the matrix's parameter name), so V1 is a function of
+    the weight and that triple only: every rank holding the same weights holds the same subspaces.
+    Weights that are DTensors (FSDP2 shards) are gathered first (a collective: every rank calls prepare).
     """
 
-    def __init__(self, rank: float = 0.125, tau: int = 50, svd: str = "auto", oversample: int = 8,
-                 niter: int = 2, exact_limit: int = 1024):
-        if rank <= 0:
-            raise ValueError(f"low-rank rank={rank} must be positive")
+    def __init__(self, r: float = 0.125, tau: int = 50, svd: str = "auto", oversample: int = 16,
+                 niter: int = 4, exact_limit: int = 1024, seed: int = 0):
+        if r <= 0:
+            raise ValueError(f"low-rank r={r} must be positive")
         if tau < 1:
             raise ValueError(f"low-rank tau={tau} must be at least 1")
         if svd not in ("exact", "randomized", "auto"):
             raise ValueError(f"svd={svd!r}; allowed: 'exact', 'randomized', 'auto'")
-        self.rank, self.tau, self.svd = rank, tau, svd
-        self.oversample, self.niter, self.exact_limit = oversample, niter, exact_limit
+        self.r, self.tau, self.svd = r, tau, svd
+        self.oversample, self.niter, self.exact_limit, self.seed = oversample, niter, exact_limit, seed
         self.steps = 0
-        self._basis: dict[torch.nn.Parameter, tuple[torch.Tensor, int]] = {}
-        self._pending: dict[torch.nn.Parameter, torch.Tensor] = {}
+        self._basis: dict[torch.nn.Module, tuple[torch.Tensor, int]] = {}
+        self._pending: dict[torch.nn.Module, torch.Tensor] = {}
+        self._names: dict[torch.nn.Module, str] = {}
         self.svd_count = 0
 
-    def optimizer_step(self) -> None:
-        self.steps += 1
+    def bind(self, model: torch.nn.Module) -> "LowRankWgrad":
+        """Learn the model's module names (the generator seeds and the state_dict keys)."""
+        self._names = {m: name for name, m in model.named_modules()}
+        return self
 
     def refresh(self) -> None:
         self._basis.clear()
 
+    def method(self, m: int, n: int, r: int) -> str:
+        if self.svd == "exact" or r > min(m, n) or (self.svd == "auto" and min(m, n) <= self.exact_limit):
+            return "exact"
+        return "randomized"
+
+    def generator(self, linear: torch.nn.Module, device: torch.device) -> torch.Generator:
+        key = f"{self.seed}:{self.steps // self.tau}:{self._names.get(linear, '')}"
+        return torch.Generator(device=device).manual_seed(zlib.crc32(key.encode()))
+
     @torch.no_grad()
-    def basis(self, weight: torch.nn.Parameter) -> torch.Tensor:
-        """V1 (n x r): the top-r right singular vectors of weight (m x n)."""
-        cached = self._basis.get(weight)
+    def basis(self, linear: torch.nn.Module) -> torch.Tensor:
+        """V1 (n x r): the top-r right singular vectors of linear.weight (m x n), in fp32 or fp64."""
+        cached = self._basis.get(linear)
         if cached is not None and cached[1] == self.steps // self.tau:
             return cached[0]
-        m, n = weight.shape
-        r = resolve_rank(self.rank, m, n)
-        w = weight.detach()
+        w = linear.weight.detach()
+        if hasattr(w, "full_tensor"):  # an FSDP2 shard (DTensor): gather the whole matrix
+            w = w.full_tensor()
         w = w.float() if w.dtype in (torch.bfloat16, torch.float16) else w
-        if self.svd == "exact" or r > min(m, n) or (self.svd == "auto" and min(m, n) <= self.exact_limit):
-            v1 = torch.linalg.svd(w, full_matrices=r > min(m, n))[2][:r].T
+        m, n = w.shape
+        r = resolve_rank(self.r, m, n)
+        if self.method(m, n, r) == "exact":
+            v1 = exact_right_basis(w, r)
         else:
-            v1 = torch.svd_lowrank(w, q=min(r + self.oversample, min(m, n)), niter=self.niter)[2][:, :r]
+            v1 = randomized_right_basis(w, r, self.oversample, self.niter, self.generator(linear, w.device))
         v1 = v1.contiguous()
-        self._basis[weight] = (v1, self.steps // self.tau)
+        self._basis[linear] = (v1, self.steps // self.tau)
         self.svd_count += 1
         return v1
 
-    def prepare(self, weights) -> None:
-        for w in weights:
-            self.basis(w)
+    def prepare(self, model: torch.nn.Module) -> None:
+        for linear in ffn_linears(model):
+            self.basis(linear)
 
     def state_dict(self, model: torch.nn.Module) -> dict:
-        """Step count and cached subspaces by parameter name (to hand to a recovering rank)."""
-        names = {p: n for n, p in model.named_parameters()}
-        return {"steps": self.steps, "bases": {names[w]: (v.cpu(), e) for w, (v, e) in self._basis.items()}}
+        """Step count and cached subspaces by module name (to hand to a recovering rank)."""
+        names = {mod: n for n, mod in model.named_modules()}
+        return {"steps": self.steps, "bases": {names[m]: (v.cpu(), e) for m, (v, e) in self._basis.items()}}
 
     def load_state_dict(self, state: dict, model: torch.nn.Module) -> None:
-        params = dict(model.named_parameters())
+        modules = dict(model.named_modules())
+        device = next(model.parameters()).device
         self.steps = state["steps"]
-        self._basis = {params[n]: (v.to(params[n].device), e) for n, (v, e) in state["bases"].items()}
+        self._basis = {modules[n]: (v.to(device), e) for n, (v, e) in state["bases"].items()}
 
-    def add(self, weight: torch.nn.Parameter, factor: torch.Tensor) -> None:
-        pending = self._pending.get(weight)
-        self._pending[weight] = factor if pending is None else pending + factor
+    def add(self, linear: torch.nn.Module, factor: torch.Tensor) -> None:
+        pending = self._pending.get(linear)
+        self._pending[linear] = factor if pending is None else pending + factor
+
+    @property
+    def pending(self) -> dict[torch.nn.Module, torch.Tensor]:
+        return self._pending
+
+    def gradient(self, linear: torch.nn.Module, factor: torch.Tensor) -> torch.Tensor:
+        """factor V1^T (m x n), the low-rank weight gradient, in fp32 or better."""
+        return factor @ self._basis[linear][0].T.to(factor.dtype)
 
     @torch.no_grad()
     def finish(self) -> None:
         """weight.grad += factor V1^T for every matrix with a pending factor (once per optimizer step)."""
-        for weight, factor in self._pending.items():
-            v1 = self._basis[weight][0]
-            g = (factor @ v1.T.to(factor.dtype)).to(weight.dtype)
+        for linear, factor in self._pending.items():
+            weight = linear.weight
+            g = self.gradient(linear, factor).to(weight.dtype)
             weight.grad = g if weight.grad is None else weight.grad.add_(g)
         self._pending.clear()
 
-    @property
-    def has_pending(self) -> bool:
-        return bool(self._pending)
+
+def ffn_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    """The FFN projections (gate, up, down) of every layer: the matrices low_rank_wgrad applies to."""
+    return [m for name, m in model.named_modules() if ".ffn." in name and name.endswith("_proj")]
+
+
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast would run a linear layer on x in, or None when autocast is off for x's device."""
+    kind = x.device.type
+    on = kind != "meta" and torch.is_autocast_enabled(kind)
+    return torch.get_autocast_dtype(kind) if on else None
 
 
 class _LowRankLinear(torch.autograd.Function):
-    """y = x W^T, saving x V1; backward: G_x = G_y W exact, G_y^T (x V1) queued on the LowRankWgrad."""
+    """y = x W^T, saving x V1; backward: G_x = G_y W exact, G_y^T (x V1) queued on the LowRankWgrad.
+    Under autocast the products run in autocast's dtype (as nn.Linear's would) and the factor G_y^T (x V1)
+    is accumulated in fp32; without autocast everything stays in the input's dtype (fp32 or fp64)."""
 
     @staticmethod
-    def forward(ctx, x, weight, v1, lowrank):
-        w = weight.to(x.dtype)
-        ctx.save_for_backward(x @ v1.to(x.dtype), w)
-        ctx.weight, ctx.lowrank = weight, lowrank
-        return F.linear(x, w)
+    def forward(ctx, x, weight, v1, linear, lowrank):
+        dtype = _autocast_dtype(x)
+        with torch.autocast(x.device.type, enabled=False) if dtype else contextlib.nullcontext():
+            dtype = dtype or x.dtype
+            xc, w = x.to(dtype), weight.to(dtype)
+            ctx.save_for_backward(xc @ v1.to(dtype), w)
+            y = F.linear(xc, w)
+        ctx.x_dtype, ctx.linear, ctx.lowrank = x.dtype, linear, lowrank
+        return y
 
     @staticmethod
     def backward(ctx, grad_y):
         xv, w = ctx.saved_tensors
-        grad_x = grad_y @ w
-        dtype = torch.float32 if grad_y.dtype in (torch.bfloat16, torch.float16) else grad_y.dtype  # accumulate >= fp32
-        factor = grad_y.reshape(-1, grad_y.shape[-1]).T.to(dtype) @ xv.reshape(-1, xv.shape[-1]).to(dtype)
-        ctx.lowrank.add(ctx.weight, factor)
-        return grad_x, None, None, None
+        grad_y = grad_y.to(w.dtype)
+        grad_x = (grad_y @ w).to(ctx.x_dtype)
+        acc = torch.promote_types(w.dtype, torch.float32)  # the factor accumulates in fp32 at least
+        factor = grad_y.reshape(-1, grad_y.shape[-1]).T.to(acc) @ xv.reshape(-1, xv.shape[-1]).to(acc)
+        ctx.lowrank.add(ctx.linear, factor)
+        return grad_x, None, None, None, None
 
 
 def low_rank_linear(linear: torch.nn.Linear, x: torch.Tensor, lowrank: LowRankWgrad) -> torch.Tensor:
-    return _LowRankLinear.apply(x, linear.weight, lowrank.basis(linear.weight), lowrank)
+    return _LowRankLinear.apply(x, linear.weight, lowrank.basis(linear), linear, lowrank)
 
 
 class Neighbour:

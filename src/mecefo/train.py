@@ -33,7 +33,7 @@ from .cluster import LocalCluster, TorchCluster, plan_step, rank_flops, restore,
 from .config import Config
 from .costs import Shape, analytic_flops
 from .data import TokenData
-from .errors import UsageError
+from .errors import TrainingStopped, UsageError
 from .model import GPT, count_parameters, preset
 from .neighbour import LowRankWgrad, Techniques
 from .records import atomic_write_json, git_commit, package_versions
@@ -72,15 +72,18 @@ def autocast(device: torch.device, precision: str):
     return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
 
-def apply_update(model: GPT, optimizer: torch.optim.Optimizer, lr: float, grad_clip: float) -> float:
-    """Clip the aggregated gradient to norm grad_clip (0: no clipping), take the optimizer step at lr;
-    returns the norm before clipping. Parameters without a gradient are left unchanged."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+def clip_gradients(model: GPT, grad_clip: float) -> float:
+    """Clip the aggregated gradient to norm grad_clip (0: no clipping); returns the norm before clipping."""
     grads = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(grads, grad_clip if grad_clip > 0 else float("inf"))
+    return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
+
+
+def apply_update(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """The optimizer step at lr; parameters without a gradient are left unchanged."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
     optimizer.step()
-    return norm.item()
 
 
 @torch.no_grad()
@@ -108,12 +111,14 @@ def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
 
 
-def save_checkpoint(path: Path, step: int, cfg: Config, model, optimizer, wall: float, restart: dict | None = None) -> None:
+def save_checkpoint(path: Path, step: int, cfg: Config, model, optimizer, wall: float, restart: dict | None = None,
+                    progress: dict | None = None) -> None:
     """Model, optimizer, RNG states and the data position (the step: batches are a pure function of it),
-    plus checkpoint-restart's in-memory checkpoint and replay count."""
+    plus checkpoint-restart's in-memory checkpoint and replay count, and the run's counters."""
     tmp = path.with_name(f".{path.name}.tmp")
     torch.save({"step": step, "config_hash": cfg.hash(), "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(), "rng": _rng_state(), "wall_time_s": wall, "restart": restart}, tmp)
+                "optimizer": optimizer.state_dict(), "rng": _rng_state(), "wall_time_s": wall, "restart": restart,
+                "progress": progress}, tmp)
     os.replace(tmp, path)
 
 
@@ -175,7 +180,7 @@ def run(cfg: Config, out: Path, resume: bool = False, stop_after: int | None = N
     rank, device = _setup_backend(cfg, device)
     main = rank == 0
     quiet = quiet or not main
-    finished = _prepare_out(out, cfg, resume) if main else None
+    finished = _agree(cfg, lambda: _prepare_out(out, cfg, resume) if main else None)
     if finished is not None:
         return finished
     cc, tc, dc = cfg.cluster, cfg.train, cfg.data
@@ -187,19 +192,21 @@ def run(cfg: Config, out: Path, resume: bool = False, stop_after: int | None = N
     schedule = failures.resolve(cc.failures, cc.ranks, tc.steps, cc.seconds_per_step,
                                 tc.seed if cc.failure_seed < 0 else cc.failure_seed, cc.recovery, cc.failable_ranks())
     techniques = Techniques.parse(cc.techniques)
-    lowrank = LowRankWgrad(rank=cc.low_rank, tau=cc.low_rank_tau)
+    lowrank = LowRankWgrad(r=cc.low_rank, tau=cc.low_rank_tau, seed=tc.seed).bind(model)
     backend = TorchCluster if cc.backend == "torch" else LocalCluster
     cluster = backend(model, data, tc.seed, device, lowrank, lambda: autocast(device, tc.precision), n_ranks=cc.ranks)
     flops = _FlopModel(model_cfg, dc, cc.low_rank)
 
     metrics_path, ckpt_path = out / "metrics.jsonl", out / "checkpoint.pt"
     start, wall_before, restart = 0, 0.0, {"replayed": 0, "consumed": [], "snapshot": None, "snapshot_step": 0}
+    progress = {"tokens_trained": 0, "skipped_steps": 0, "last_loss": None}
     if ckpt_path.exists():
         ckpt = _load_checkpoint(ckpt_path, cfg)
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         _set_rng_state(ckpt["rng"])
         start, wall_before, restart = ckpt["step"], ckpt["wall_time_s"], ckpt.get("restart", restart)
+        progress = ckpt.get("progress") or progress
         if main:
             _truncate_metrics(metrics_path, start)
         _log(f"resuming {out} from step {start}", quiet)
@@ -230,7 +237,7 @@ def run(cfg: Config, out: Path, resume: bool = False, stop_after: int | None = N
 
     if start == 0:
         record({"step": 0, "val_loss": evaluate_now("val", frozenset()), "tokens_seen": 0})
-    step, furthest, loss = start, start, float("nan")
+    step, furthest, was_skipped = start, start, False
     while step < end:
         t_step = time.perf_counter()
         plan = plan_step(cc.policy, step, schedule.failed[step], cc.ranks, dc.grad_accum, dc.micro_batch_size,
@@ -248,17 +255,26 @@ def run(cfg: Config, out: Path, resume: bool = False, stop_after: int | None = N
         exact = _failure_free_gradient(cluster, plan, cfg) if cc.track_grad_error and plan.failed and not plan.skipped else None
         result = cluster.step(plan)
         rel_error = _relative_error(model, exact) if exact is not None else None
-        grad_norm = float("nan")
+        loss = grad_norm = None
+        if not plan.skipped:
+            loss, grad_norm = result.loss, clip_gradients(model, cfg.optim.grad_clip)
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                raise TrainingStopped(f"step {step + 1}: non-finite training loss {loss} or gradient norm "
+                                      f"{grad_norm} (lr {lr:.3g}); nothing written for this step, the last "
+                                      f"checkpoint in {out} is kept")
+            progress["last_loss"] = loss
         if cluster.updates(plan):
-            grad_norm = apply_update(model, optimizer, lr, cfg.optim.grad_clip)
+            apply_update(optimizer, lr)
         model.zero_grad(set_to_none=True)
+        progress["tokens_trained"] += result.samples * dc.seq_len
+        progress["skipped_steps"] += plan.skipped
         step += 1
         if cc.policy == "checkpoint-restart" and step % cc.restart_every == 0:
             restart["snapshot"], restart["snapshot_step"] = snapshot(model, optimizer), step
-        loss = result.loss if not plan.skipped else float("nan")
         per_rank = flops.per_rank(plan)
         row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_seen": step * tokens_per_step,
-               "samples": result.samples, "tokens_per_s": tokens_per_step / (time.perf_counter() - t_step),
+               "tokens_trained": progress["tokens_trained"], "samples": result.samples,
+               "tokens_per_s": result.samples * dc.seq_len / (time.perf_counter() - t_step),
                "wall_time_s": wall_before + time.perf_counter() - t0,
                "failed": sorted(plan.failed), "neighbours": {str(j): nb for j, nb in plan.neighbours.items()},
                "attention_ranks": plan.counts(1)["attention.0"] / dc.grad_accum, "skipped": plan.skipped,
@@ -269,14 +285,19 @@ def run(cfg: Config, out: Path, resume: bool = False, stop_after: int | None = N
             row["val_loss"] = evaluate_now("val", plan.failed)
         record(row)
         bar.update(1)
-        bar.set_postfix(loss=f"{loss:.3f}", failed=len(plan.failed))
+        bar.set_postfix(loss="skipped" if plan.skipped else f"{loss:.3f}", failed=len(plan.failed))
+        if plan.skipped and not was_skipped:
+            _log(f"step {step}/{tc.steps}: all {cc.ranks} ranks down, skipping steps until one recovers", quiet)
+        was_skipped = plan.skipped
         if bar.disable and (step % tc.log_every == 0 or step == end):
-            _log(f"step {step}/{tc.steps} loss {loss:.4f} lr {lr:.2e} failed {len(plan.failed)} "
+            what = "skipped (all ranks down)" if plan.skipped else f"loss {loss:.4f}"
+            _log(f"step {step}/{tc.steps} {what} lr {lr:.2e} failed {len(plan.failed)} "
                  f"{row['tokens_per_s']:.0f} tok/s" + (f" val_loss {row['val_loss']:.4f}" if row.get("val_loss") else ""), quiet)
         if (tc.checkpoint_every and step % tc.checkpoint_every == 0) or step == end:
             cluster.sync_for_io(plan.failed, optimizer)
             if main:
-                save_checkpoint(ckpt_path, step, cfg, model, optimizer, wall_before + time.perf_counter() - t0, restart)
+                save_checkpoint(ckpt_path, step, cfg, model, optimizer, wall_before + time.perf_counter() - t0, restart,
+                                progress)
     bar.close()
     if metrics:
         metrics.close()
@@ -288,22 +309,30 @@ def run(cfg: Config, out: Path, resume: bool = False, stop_after: int | None = N
         return {}
     summary = {
         "config": cfg.to_dict(), "config_hash": cfg.hash(), "seed": tc.seed, "steps": tc.steps,
-        "final_train_loss": loss, "final_val_loss": val_loss, "final_val_ppl": math.exp(val_loss),
+        "final_train_loss": progress["last_loss"], "final_val_loss": val_loss, "final_val_ppl": math.exp(val_loss),
         "final_test_loss": test_loss, "final_test_ppl": math.exp(test_loss),
         "n_parameters": count_parameters(model_cfg), "model": model_cfg.__dict__,
-        "tokens_seen": tc.steps * tokens_per_step, "replayed_steps": restart["replayed"],
+        "tokens_seen": tc.steps * tokens_per_step, "tokens_trained": progress["tokens_trained"],
+        "replayed_steps": restart["replayed"], "skipped_steps": progress["skipped_steps"],
+        "skipped_fraction": progress["skipped_steps"] / tc.steps,
         "failure_schedule": {"fraction_failed": schedule.fraction_failed(), "events": schedule.failure_events()},
         "wall_time_s": wall_before + time.perf_counter() - t0, "device": str(device),
         "git_commit": git_commit(), "packages": package_versions(),
     }
     atomic_write_json(out / "summary.json", summary)
-    _log(f"done: val loss {val_loss:.4f} (ppl {math.exp(val_loss):.2f}) -> {out}", quiet)
+    warning = ""
+    if progress["skipped_steps"] > tc.steps / 2:
+        warning = (f"; warning: {progress['skipped_steps']} of {tc.steps} steps "
+                   f"({100 * summary['skipped_fraction']:.0f}%) were skipped with every rank down")
+    _log(f"done: val loss {val_loss:.4f} (ppl {math.exp(val_loss):.2f}) -> {out}{warning}", quiet)
     return summary
 
 
 def _failure_free_gradient(cluster, plan, cfg: Config) -> list[torch.Tensor]:
-    """The aggregated gradient the same step would have had without failures (same batches)."""
-    reference = plan_step(cfg.cluster.policy, plan.step, frozenset(), cfg.cluster.ranks, cfg.data.grad_accum,
+    """The aggregated gradient the same step would have had without failures (same batches), computed by
+    the ranks alive at this step: each failed rank's micro-batches exactly by its neighbour (ndb-exact's
+    plan), so that no rank whose state was lost takes part."""
+    reference = plan_step("ndb-exact", plan.step, plan.failed, cfg.cluster.ranks, cfg.data.grad_accum,
                           cfg.data.micro_batch_size)
     cluster.step(reference)
     return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in cluster.model.parameters()]
@@ -314,6 +343,25 @@ def _relative_error(model: GPT, exact: list[torch.Tensor]) -> float:
     approx = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
     diff = torch.sqrt(sum(((a - e) ** 2).sum() for a, e in zip(approx, exact)))
     return (diff / torch.sqrt(sum((e ** 2).sum() for e in exact))).item()
+
+
+def _agree(cfg: Config, decide):
+    """Run decide() (rank 0 reads the output folder) and give its outcome, or its UsageError, to every rank,
+    so that under torchrun all ranks reuse a finished run, or all stop, together."""
+    if cfg.cluster.backend != "torch":
+        return decide()
+    import torch.distributed as dist
+
+    outcome = [None]
+    try:
+        outcome[0] = ("ok", decide())
+    except UsageError as e:
+        outcome[0] = ("error", str(e))
+    dist.broadcast_object_list(outcome, src=0)
+    kind, value = outcome[0]
+    if kind == "error":
+        raise UsageError(value)
+    return value
 
 
 def _token_data(cfg: Config, main: bool) -> TokenData:
@@ -404,6 +452,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except TrainingStopped as e:
+        print(f"stopped: {e}", file=sys.stderr)
+        return 3
     return 0
 
 
