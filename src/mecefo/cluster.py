@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from .errors import TrainingStopped, UsageError
-from .neighbour import MECEFO, LowRankWgrad, Neighbour, Techniques
+from .neighbour import MECEFO, LowRankWgrad, Neighbour, Techniques, ffn_linears
 
 POLICIES = ("mecefo", "ndb-exact", "drop", "spread", "spread-mecefo", "checkpoint-restart")
 NORMAL = Techniques()
@@ -47,6 +47,7 @@ NORMAL = Techniques()
 class ClusterConfig:
     ranks: int = 1  # data-parallel size n
     backend: str = "local"  # local (simulated ranks in one process) | torch (torchrun, gloo / nccl)
+    shard: str = "none"  # torch backend: none (every rank holds the whole model) | fsdp (FSDP2 over the DP group)
     failures: str = "none"  # none | low | mid | high | custom:<interval_h>:<recovery_h> | path/to/trace.csv
     policy: str = "mecefo"  # see POLICIES
     techniques: str = "mecefo"  # what mecefo's neighbours / spread-mecefo's extra shares apply
@@ -57,6 +58,7 @@ class ClusterConfig:
     restart_every: int = 50  # checkpoint-restart: steps between checkpoints
     low_rank: float = 0.125  # r of low_rank_wgrad (>= 1 absolute, < 1 a fraction of min(m, n))
     low_rank_tau: int = 50  # optimizer steps between SVD refreshes of V1
+    low_rank_svd: str = "auto"  # exact | randomized | auto (randomized when min(m, n) > 1024)
     failure_seed: int = -1  # seed of the failure process (-1: the training seed)
     track_grad_error: bool = False  # also compute the failure-free gradient and log Assumption 3's relative error
 
@@ -65,6 +67,12 @@ class ClusterConfig:
             raise UsageError(f"cluster.ranks={self.ranks} must be at least 1")
         if self.backend not in ("local", "torch"):
             raise UsageError(f"cluster.backend={self.backend!r}; allowed: 'local', 'torch'")
+        if self.shard not in ("none", "fsdp"):
+            raise UsageError(f"cluster.shard={self.shard!r}; allowed: 'none', 'fsdp'")
+        if self.shard == "fsdp" and self.backend != "torch":
+            raise UsageError("cluster.shard='fsdp' needs cluster.backend='torch' (torchrun)")
+        if self.low_rank_svd not in ("exact", "randomized", "auto"):
+            raise UsageError(f"cluster.low_rank_svd={self.low_rank_svd!r}; allowed: 'exact', 'randomized', 'auto'")
         if self.policy not in POLICIES:
             raise UsageError(f"cluster.policy={self.policy!r}; allowed: {', '.join(POLICIES)}")
         try:
@@ -225,20 +233,38 @@ class _Common:
             self._neighbours[t] = Neighbour(t, self.lowrank)
         return self._neighbours[t]
 
-    def run_pieces(self, pieces, n_ranks: int) -> tuple[float, float]:
+    def run_piece(self, p: Piece, weight: float) -> float:
+        """Forward and backward of one piece, weight * gradient accumulated into .grad; returns its loss."""
+        x, y = self.data.micro_batch(self.seed, self.current_step, rank=p.owner, micro=p.micro, n_ranks=self.n_ranks)
+        x = torch.as_tensor(x[p.start:p.stop], device=self.device)
+        y = torch.as_tensor(y[p.start:p.stop], device=self.device)
+        with self.autocast():
+            loss = self.model(x, y, neighbour=self.neighbour(p.techniques))
+        (loss * weight).backward() if weight != 1 else loss.backward()
+        return loss.item()
+
+    def run_pieces(self, pieces) -> tuple[float, float]:
         """Forward and backward of the pieces, gradients accumulated into .grad; returns (sum w*loss, sum w)."""
         loss_sum, weight_sum = 0.0, 0.0
         for p in pieces:
-            x, y = self.data.micro_batch(self.seed, self.current_step, rank=p.owner, micro=p.micro, n_ranks=n_ranks)
-            x = torch.as_tensor(x[p.start:p.stop], device=self.device)
-            y = torch.as_tensor(y[p.start:p.stop], device=self.device)
-            with self.autocast():
-                loss = self.model(x, y, neighbour=self.neighbour(p.techniques))
-            (loss * p.weight).backward() if p.weight != 1 else loss.backward()
-            loss_sum += loss.item() * p.weight
+            loss_sum += self.run_piece(p, p.weight) * p.weight
             weight_sum += p.weight
         self.lowrank.finish()
         return loss_sum, weight_sum
+
+    every_rank_evaluates = False  # True where a forward pass is collective (FSDP)
+
+    def full_state(self, optimizer) -> tuple[dict, dict]:
+        """(model state_dict, optimizer state_dict) to write into a checkpoint (whole tensors)."""
+        return self.model.state_dict(), optimizer.state_dict()
+
+    def load_full_state(self, model_state: dict, optimizer_state: dict, optimizer) -> None:
+        self.model.load_state_dict(model_state)
+        optimizer.load_state_dict(optimizer_state)
+
+    def agreement(self) -> dict:
+        """Whether the ranks hold the same state (one process: trivially)."""
+        return {"ranks_checked": [0], "identical": True}
 
     def normalise(self, counts: dict[str, float]) -> None:
         """.grad holds the weighted sums; divide each group by its weight (no gradient where it is 0)."""
@@ -258,7 +284,7 @@ class LocalCluster(_Common):
         self.model.zero_grad(set_to_none=True)
         loss_sum, weight_sum = 0.0, 0.0
         for rank in sorted(plan.pieces):
-            ls, ws = self.run_pieces(plan.pieces[rank], self.n_ranks)
+            ls, ws = self.run_pieces(plan.pieces[rank])
             loss_sum, weight_sum = loss_sum + ls, weight_sum + ws
         self.normalise(plan.counts(len(self.model.layers)))
         return StepResult(loss_sum / max(weight_sum, 1e-12), plan.samples())
@@ -332,7 +358,7 @@ class TorchCluster(_Common):
     def step(self, plan: StepPlan) -> StepResult:
         self.current_step = plan.step
         self.model.zero_grad(set_to_none=True)
-        loss_sum, weight_sum = self.run_pieces(plan.pieces.get(self.rank, ()), self.n_ranks)
+        loss_sum, weight_sum = self.run_pieces(plan.pieces.get(self.rank, ()))
         params = list(self.model.parameters())
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
                          + [torch.tensor([loss_sum, weight_sum], device=self.device, dtype=params[0].dtype)])
@@ -343,6 +369,139 @@ class TorchCluster(_Common):
             offset += p.numel()
         self.normalise(plan.counts(len(self.model.layers)))
         return StepResult(flat[-2].item() / max(flat[-1].item(), 1e-12), plan.samples())
+
+    def _digest(self, with_parameters: bool) -> list[float]:
+        """Checksums of this rank's low-rank subspaces (by name) and, if asked, its parameters."""
+        names = {m: n for n, m in self.model.named_modules()}
+        bases = sorted((names[m], v) for m, (v, _) in self.lowrank._basis.items())
+        sums = [float(v.double().abs().sum()) + float((v.double() * torch.arange(v.numel(), device=v.device).view_as(v)).sum())
+                for _, v in bases]
+        if with_parameters:
+            sums += [float(p.detach().double().sum()) for p in self.model.parameters()]
+        return [len(bases)] + sums
+
+    def agreement(self) -> dict:
+        """Every rank whose state is current holds the same parameters and the same V1 (all ranks call)."""
+        digests = [None] * self.n_ranks
+        self.dist.all_gather_object(digests, self._digest(with_parameters=True))
+        checked = sorted(self.valid)
+        return {"ranks_checked": checked, "identical": all(digests[r] == digests[checked[0]] for r in checked)}
+
+
+class ShardedCluster(TorchCluster):
+    """The torch backend with the model sharded by FSDP2 (`fully_shard` per block and at the root) over the
+    data-parallel group; parameters, gradients and optimizer state live in 1/n shards.
+
+    The aggregation rule is unchanged: each rank accumulates sum_p w_p grad(loss_p) over its pieces without
+    communication, one reduce-scatter sums those over the ranks (divide factor 1, zeros for parameters a
+    rank gave no gradient, e.g. attention skipped by a neighbour), and the per-group weights are divided out
+    of the shards. FSDP's collectives need every rank in every forward and backward, so a rank with fewer
+    pieces than the busiest one runs zero-weight passes on one row of its own micro-batch (its gradient is
+    exactly 0). The low-rank factors G_y^T (x V1) are all-reduced (m x r each, small) and every rank adds
+    its rows of (sum of factors) V1^T to its gradient shard.
+
+    A failed rank computes no piece and contributes weight 0, as in the unsharded backend, but keeps its
+    shard and its optimizer state (the only copy of those rows): a simulated failure loses the rank's
+    compute, not its memory, so nothing is resynchronised at recovery.
+    """
+
+    every_rank_evaluates = True
+
+    def transition(self, plan: StepPlan, optimizer) -> None:
+        """Nothing is lost: every rank keeps its shard."""
+
+    def sync_for_io(self, failed: frozenset[int], optimizer) -> None:
+        pass
+
+    def updates(self, plan: StepPlan) -> bool:
+        return not plan.skipped  # every shard is updated, or its rows would go stale
+
+    def prepare(self, plan: StepPlan, computing: bool = True) -> None:
+        _Common.prepare(self, plan)  # gathering a weight is a collective: every rank takes part
+
+    def step(self, plan: StepPlan) -> StepResult:
+        self.current_step = plan.step
+        self.model.zero_grad(set_to_none=True)
+        mine = plan.pieces.get(self.rank, ())
+        passes = max((len(ps) for ps in plan.pieces.values()), default=0)
+        filler = Piece(self.rank, 0, 0, 1, 1)  # one row of this rank's own first micro-batch, weight 0
+        loss_sum, weight_sum = 0.0, 0.0
+        for i in range(passes):
+            self.model.set_requires_gradient_sync(i == passes - 1)  # one reduce-scatter, after the last pass
+            if i < len(mine):
+                loss_sum += self.run_piece(mine[i], mine[i].weight) * mine[i].weight
+                weight_sum += mine[i].weight
+            else:
+                self.run_piece(filler, 0.0)
+        self._finish_low_rank(plan)
+        totals = torch.tensor([loss_sum, weight_sum], device=self.device, dtype=torch.float64)
+        self.dist.all_reduce(totals)
+        self.normalise(plan.counts(len(self.model.layers)))
+        return StepResult(totals[0].item() / max(totals[1].item(), 1e-12), plan.samples())
+
+    @torch.no_grad()
+    def _finish_low_rank(self, plan: StepPlan) -> None:
+        if not any(p.techniques.low_rank_wgrad or p.techniques.low_rank_head for ps in plan.pieces.values() for p in ps):
+            return
+        from torch.distributed.tensor import distribute_tensor
+
+        linears = [m for m in ffn_linears(self.model)]
+        if any(p.techniques.low_rank_head for ps in plan.pieces.values() for p in ps):
+            linears.append(self.model.lm_head)
+        pending = self.lowrank.pending
+        factors = [pending.pop(m, None) for m in linears]
+        shapes = [(m.weight.shape[0], self.lowrank.basis(m).shape[1]) for m in linears]
+        flat = torch.cat([(f if f is not None else torch.zeros(s, device=self.device)).reshape(-1).float()
+                          for f, s in zip(factors, shapes)])
+        self.dist.all_reduce(flat)
+        offset = 0
+        for m, shape in zip(linears, shapes):
+            factor = flat[offset: offset + shape[0] * shape[1]].view(shape)
+            offset += factor.numel()
+            grad = m.weight.grad
+            g = self.lowrank.gradient(m, factor).to(grad.dtype)
+            grad.add_(distribute_tensor(g, grad.device_mesh, grad.placements, src_data_rank=None))
+
+    def full_state(self, optimizer) -> tuple[dict, dict]:
+        """Whole tensors gathered onto rank 0's CPU (a collective; the other ranks receive empty dicts)."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return (get_model_state_dict(self.model, options=options),
+                get_optimizer_state_dict(self.model, optimizer, options=options))
+
+    def load_full_state(self, model_state: dict, optimizer_state: dict, optimizer) -> None:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.model, model_state, options=options)
+        set_optimizer_state_dict(self.model, optimizer, optimizer_state, options=options)
+
+    def agreement(self) -> dict:
+        """Every rank holds the same V1 (the parameters are shards: each rank's are its own)."""
+        digests = [None] * self.n_ranks
+        self.dist.all_gather_object(digests, self._digest(with_parameters=False))
+        return {"ranks_checked": list(range(self.n_ranks)), "identical": all(d == digests[0] for d in digests)}
+
+
+def shard_model(model: torch.nn.Module, device: torch.device) -> None:
+    """FSDP2 over all ranks: each block is one unit (its attention and FFN together), the root holds the
+    embedding, final norm and LM head. Gradients are summed (divide factor 1) so that the aggregation rule
+    divides by its own per-group weights."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.set_reduce_scatter_unused_params(True)
+    for module in [*model.layers, model]:
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no pre-multiplied sum
 
 
 def snapshot(model: torch.nn.Module, optimizer) -> dict:

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from . import config as config_mod
 from . import failures
-from .cluster import LocalCluster, TorchCluster, plan_step, rank_flops, restore, snapshot
+from .cluster import LocalCluster, ShardedCluster, TorchCluster, plan_step, rank_flops, restore, shard_model, snapshot
 from .config import Config
 from .costs import Shape, analytic_flops
 from .data import TokenData
@@ -111,14 +111,13 @@ def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
 
 
-def save_checkpoint(path: Path, step: int, cfg: Config, model, optimizer, wall: float, restart: dict | None = None,
-                    progress: dict | None = None) -> None:
+def save_checkpoint(path: Path, step: int, cfg: Config, model_state: dict, optimizer_state: dict, **state) -> None:
     """Model, optimizer, RNG states and the data position (the step: batches are a pure function of it),
-    plus checkpoint-restart's in-memory checkpoint and replay count, and the run's counters."""
+    plus `state`: wall time, checkpoint-restart's in-memory checkpoint and replay count, the run's counters,
+    the low-rank subspaces with their epoch. Written atomically."""
     tmp = path.with_name(f".{path.name}.tmp")
-    torch.save({"step": step, "config_hash": cfg.hash(), "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(), "rng": _rng_state(), "wall_time_s": wall, "restart": restart,
-                "progress": progress}, tmp)
+    torch.save({"step": step, "config_hash": cfg.hash(), "model": model_state, "optimizer": optimizer_state,
+                "rng": _rng_state(), **state}, tmp)
     os.replace(tmp, path)
 
 
@@ -188,12 +187,14 @@ def run(cfg: Config, out: Path, resume: bool = False, stop_after: int | None = N
     model_cfg = preset(cfg.model.preset, vocab_size=data.vocab_size)
     torch.manual_seed(tc.seed)
     model = GPT(model_cfg).to(device)
+    if cc.shard == "fsdp":
+        shard_model(model, device)  # before the optimizer, which must see the shards
     optimizer = build_optimizer(model, cfg.optim)
     schedule = failures.resolve(cc.failures, cc.ranks, tc.steps, cc.seconds_per_step,
                                 tc.seed if cc.failure_seed < 0 else cc.failure_seed, cc.recovery, cc.failable_ranks())
     techniques = Techniques.parse(cc.techniques)
-    lowrank = LowRankWgrad(r=cc.low_rank, tau=cc.low_rank_tau, seed=tc.seed).bind(model)
-    backend = TorchCluster if cc.backend == "torch" else LocalCluster
+    lowrank = LowRankWgrad(r=cc.low_rank, tau=cc.low_rank_tau, svd=cc.low_rank_svd, seed=tc.seed).bind(model)
+    backend = LocalCluster if cc.backend == "local" else (ShardedCluster if cc.shard == "fsdp" else TorchCluster)
     cluster = backend(model, data, tc.seed, device, lowrank, lambda: autocast(device, tc.precision), n_ranks=cc.ranks)
     flops = _FlopModel(model_cfg, dc, cc.low_rank)
 
@@ -202,11 +203,12 @@ def run(cfg: Config, out: Path, resume: bool = False, stop_after: int | None = N
     progress = {"tokens_trained": 0, "skipped_steps": 0, "last_loss": None}
     if ckpt_path.exists():
         ckpt = _load_checkpoint(ckpt_path, cfg)
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
+        cluster.load_full_state(ckpt["model"], ckpt["optimizer"], optimizer)
         _set_rng_state(ckpt["rng"])
         start, wall_before, restart = ckpt["step"], ckpt["wall_time_s"], ckpt.get("restart", restart)
         progress = ckpt.get("progress") or progress
+        if ckpt.get("lowrank"):
+            lowrank.load_state_dict(ckpt["lowrank"], model)
         if main:
             _truncate_metrics(metrics_path, start)
         _log(f"resuming {out} from step {start}", quiet)
@@ -233,7 +235,7 @@ def run(cfg: Config, out: Path, resume: bool = False, stop_after: int | None = N
 
     def evaluate_now(split: str, failed: frozenset[int]) -> float | None:
         cluster.sync_for_io(failed, optimizer)
-        return evaluate(model, data, split, device, tc.precision) if main else None
+        return evaluate(model, data, split, device, tc.precision) if main or cluster.every_rank_evaluates else None
 
     if start == 0:
         record({"step": 0, "val_loss": evaluate_now("val", frozenset()), "tokens_seen": 0})
@@ -295,9 +297,10 @@ def run(cfg: Config, out: Path, resume: bool = False, stop_after: int | None = N
                  f"{row['tokens_per_s']:.0f} tok/s" + (f" val_loss {row['val_loss']:.4f}" if row.get("val_loss") else ""), quiet)
         if (tc.checkpoint_every and step % tc.checkpoint_every == 0) or step == end:
             cluster.sync_for_io(plan.failed, optimizer)
+            model_state, optimizer_state = cluster.full_state(optimizer)
             if main:
-                save_checkpoint(ckpt_path, step, cfg, model, optimizer, wall_before + time.perf_counter() - t0, restart,
-                                progress)
+                save_checkpoint(ckpt_path, step, cfg, model_state, optimizer_state, restart=restart, progress=progress,
+                                wall_time_s=wall_before + time.perf_counter() - t0, lowrank=lowrank.state_dict(model))
     bar.close()
     if metrics:
         metrics.close()
@@ -305,6 +308,7 @@ def run(cfg: Config, out: Path, resume: bool = False, stop_after: int | None = N
         return {"stopped_at": end}
     last_failed = schedule.failed[-1]
     val_loss, test_loss = evaluate_now("val", last_failed), evaluate_now("test", last_failed)
+    agreement = cluster.agreement()
     if not main:
         return {}
     summary = {
@@ -313,7 +317,7 @@ def run(cfg: Config, out: Path, resume: bool = False, stop_after: int | None = N
         "final_test_loss": test_loss, "final_test_ppl": math.exp(test_loss),
         "n_parameters": count_parameters(model_cfg), "model": model_cfg.__dict__,
         "tokens_seen": tc.steps * tokens_per_step, "tokens_trained": progress["tokens_trained"],
-        "replayed_steps": restart["replayed"], "skipped_steps": progress["skipped_steps"],
+        "replayed_steps": restart["replayed"], "skipped_steps": progress["skipped_steps"], "rank_agreement": agreement,
         "skipped_fraction": progress["skipped_steps"] / tc.steps,
         "failure_schedule": {"fraction_failed": schedule.fraction_failed(), "events": schedule.failure_events()},
         "wall_time_s": wall_before + time.perf_counter() - t0, "device": str(device),
@@ -341,8 +345,12 @@ def _failure_free_gradient(cluster, plan, cfg: Config) -> list[torch.Tensor]:
 def _relative_error(model: GPT, exact: list[torch.Tensor]) -> float:
     """Assumption 3's ||g~ - g|| / ||g|| (mecefo.stats.relative_error), over all parameters."""
     approx = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
-    diff = torch.sqrt(sum(((a - e) ** 2).sum() for a, e in zip(approx, exact)))
-    return (diff / torch.sqrt(sum((e ** 2).sum() for e in exact))).item()
+
+    def squares(t: torch.Tensor) -> float:
+        s = (t.double() ** 2).sum()
+        return (s.full_tensor() if hasattr(s, "full_tensor") else s).item()  # FSDP shards: sum over ranks
+
+    return math.sqrt(sum(squares(a - e) for a, e in zip(approx, exact)) / sum(squares(e) for e in exact))
 
 
 def _agree(cfg: Config, decide):
@@ -443,18 +451,31 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
     return args, overrides
 
 
+def _leave_process_group(wait: bool) -> None:
+    """Under torchrun: leave together (a rank that exits while another is mid-collective aborts it)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        if wait:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args, overrides = parse_args(argv)
         cfg = config_mod.load(args.config, overrides)
         out = Path(args.out) if args.out else Path("results") / "runs" / f"{cfg.model.preset}-{cfg.hash()}"
         run(cfg, out, resume=args.resume, stop_after=args.stop_after, quiet=args.quiet)
+        _leave_process_group(wait=True)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except TrainingStopped as e:
         print(f"stopped: {e}", file=sys.stderr)
         return 3
+    finally:
+        _leave_process_group(wait=False)
     return 0
 
 
