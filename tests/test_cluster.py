@@ -112,6 +112,7 @@ def test_local_aggregation_matches_an_independent_computation(nano_data):
         assert torch.allclose(got[name], want, atol=1e-12), name
 
 
+@pytest.mark.slow
 def test_failure_free_local_aggregation_equals_ddp(nano_data, tmp_path):
     out = tmp_path / "ddp.pt"
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", "OMP_NUM_THREADS": "1"}
@@ -140,6 +141,7 @@ def _write_trace(path):
                     "2000,remove,node2\n4000,remove,node1\n6000,add,node2\n8000,add,node1\n")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["mecefo", "spread-mecefo"])
 def test_local_and_gloo_backends_end_with_the_same_parameters(tmp_path, policy):
     trace = tmp_path / "trace.csv"

@@ -37,6 +37,7 @@ def test_intervals_cover_the_truth_at_about_their_level():
         assert h >= 0.85 * trials, (k, h)
 
 
+@pytest.mark.slow
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 10_000))
 def test_estimates_converge_and_mse_decomposes(seed):
