@@ -14,6 +14,8 @@ step() { echo; echo "== $* =="; }
 
 step "failure-free reference run"
 python -m experiments.failure_free $quick
+step "randomized SVD of V1 against the exact SVD (trained and 1B-shaped weights)"
+python -m experiments.svd_accuracy $quick
 step "training-step benchmark (ours vs a plain reference loop)"
 python -m experiments.bench_train $quick
 
@@ -35,6 +37,7 @@ python -m analysis.rate $quick
 step "figures and tables"
 python -m paper_figures.failure_free $quick
 python -m paper_figures.ablation $quick
+python -m paper_figures.svd_accuracy $quick
 python -m paper_figures.sweep $quick
 python -m paper_figures.throughput $quick
 python -m analysis.run_notebooks

@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         if "low_rank" in row:  # the SVD method LowRankWgrad(svd="auto") picks: exact up to min(m, n) = 1024
             lr = LowRankWgrad(r=rank)
             rec["svd_flops_per_refresh"] = cfg.n_layers * sum(
-                svd_flops(m, n, r, "exact" if min(m, n) <= lr.exact_limit else "randomized", lr.oversample, lr.niter)
+                svd_flops(m, n, r, lr.method(m, n, r), lr.oversample_columns(r), lr.niter)
                 for m, n, r in ffn_matrices(cfg, rank))
         if name in wall_presets:
             rec["wall_ratio"] = time_ratio(name, techniques, micro, rank, rounds)

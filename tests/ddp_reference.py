@@ -1,6 +1,7 @@
 """Run under torchrun: one DDP step's averaged gradient on nano, each rank on its own micro-batch, saved by rank 0.
     torchrun --nproc_per_node N tests/ddp_reference.py OUT.pt"""
 
+import os
 import sys
 
 import torch
@@ -19,4 +20,6 @@ x, y = data.micro_batch(seed=0, step=0, rank=rank, n_ranks=world)
 model(torch.as_tensor(x), torch.as_tensor(y)).backward()
 if rank == 0:
     torch.save({n: p.grad for n, p in model.module.named_parameters()}, sys.argv[1])
+dist.barrier()
 dist.destroy_process_group()
+os._exit(0)  # skip interpreter teardown, where gloo's worker threads can abort the process

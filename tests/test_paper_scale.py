@@ -123,7 +123,7 @@ def test_randomized_basis_captures_the_energy_of_the_exact_one():
     v, _ = torch.linalg.qr(torch.randn(n, n, generator=g))
     w = u @ torch.diag(torch.arange(1, n + 1, dtype=torch.float32) ** -0.5) @ v.T
     lr = LowRankWgrad()
-    approx = randomized_right_basis(w, r, lr.oversample, lr.niter, torch.Generator().manual_seed(1))
+    approx = randomized_right_basis(w, r, lr.oversample_columns(r), lr.niter, torch.Generator().manual_seed(1))
     exact = exact_right_basis(w, r)
     assert torch.allclose(approx.T @ approx, torch.eye(r), atol=1e-4)  # orthonormal columns
     assert (w @ approx).square().sum() >= 0.99 * (w @ exact).square().sum()
@@ -216,3 +216,43 @@ def test_a_non_finite_loss_stops_the_run_naming_the_step_and_keeps_the_checkpoin
     assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == 4  # the last good one, untouched
     assert [r["step"] for r in _rows(out)] == [1, 2, 3, 4]
     assert not (out / "summary.json").exists()
+
+
+# ------------------------------------------------------------------------------ --full, the GPU check
+def test_full_commands_fit_an_a100_and_a_replicated_7b_is_refused_naming_the_fix():
+    from experiments.sweep import GPU_BYTES, check_fits, full_commands
+    from mecefo import config as config_mod
+    from mecefo.errors import UsageError
+
+    script, memory = full_commands()
+    assert set(memory) == {"llama-350m", "llama-1b", "llama-7b"}
+    assert all(m["total"] <= GPU_BYTES for m in memory.values())
+    assert memory["llama-7b"]["shard"] == "fsdp" and script.count("--shard fsdp") == 4
+    replicated = config_mod.load(None, {"preset": "llama-7b", "vocab_size": "32000", "seq_len": "256",
+                                        "micro_batch_size": "2", "ranks": "32", "backend": "torch"})
+    with pytest.raises(UsageError, match=r"llama-7b .* needs 1\d\d\.\d GB per GPU > 80 GB; shard it: --shard fsdp"):
+        check_fits(replicated)
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_on_the_cpu_and_skips_cleanly_without_cuda(tmp_path, monkeypatch, capsys):
+    import experiments.gpu_check as gpu_check
+
+    monkeypatch.setattr(gpu_check, "RESULTS", tmp_path)
+    assert gpu_check.main(["--device", "cpu", "--quick"]) == 0
+    result = json.loads((tmp_path / "gpu_check-cpu.json").read_text())
+    assert result["ok"] and set(result["policies"]) == set(POLICIES)
+    assert all(p["steps_with_failures"] > 0 for name, p in result["policies"].items() if name != "checkpoint-restart")
+    assert result["torchrun"]["fsdp"]["final_val_loss"] == pytest.approx(result["torchrun"]["none"]["final_val_loss"], rel=1e-5)
+    if not torch.cuda.is_available():
+        assert gpu_check.main([]) == 0 and "no CUDA device here; skipped" in capsys.readouterr().out
+        assert not (tmp_path / "gpu_check.json").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_check_on_cuda(tmp_path, monkeypatch):
+    import experiments.gpu_check as gpu_check
+
+    monkeypatch.setattr(gpu_check, "RESULTS", tmp_path)
+    assert gpu_check.main([]) == 0

@@ -392,12 +392,12 @@ class ShardedCluster(TorchCluster):
     """The torch backend with the model sharded by FSDP2 (`fully_shard` per block and at the root) over the
     data-parallel group; parameters, gradients and optimizer state live in 1/n shards.
 
-    The aggregation rule is unchanged: each rank accumulates sum_p w_p grad(loss_p) over its pieces without
-    communication, one reduce-scatter sums those over the ranks (divide factor 1, zeros for parameters a
-    rank gave no gradient, e.g. attention skipped by a neighbour), and the per-group weights are divided out
-    of the shards. FSDP's collectives need every rank in every forward and backward, so a rank with fewer
-    pieces than the busiest one runs zero-weight passes on one row of its own micro-batch (its gradient is
-    exactly 0). The low-rank factors G_y^T (x V1) are all-reduced (m x r each, small) and every rank adds
+    The aggregation rule is unchanged: every backward pass reduce-scatters w_p grad(loss_p) summed over the
+    ranks (divide factor 1, zeros for parameters a rank gave no gradient, e.g. attention skipped by a
+    neighbour) and accumulates it into the gradient shards, so no rank ever holds a whole-model gradient;
+    the per-group weights are then divided out of the shards. FSDP's collectives need every rank in every
+    forward and backward, so a rank with fewer pieces than the busiest one runs zero-weight passes on one
+    row of its own micro-batch (its gradient is exactly 0). The low-rank factors G_y^T (x V1) are all-reduced (m x r each, small) and every rank adds
     its rows of (sum of factors) V1^T to its gradient shard.
 
     A failed rank computes no piece and contributes weight 0, as in the unsharded backend, but keeps its
@@ -426,8 +426,7 @@ class ShardedCluster(TorchCluster):
         passes = max((len(ps) for ps in plan.pieces.values()), default=0)
         filler = Piece(self.rank, 0, 0, 1, 1)  # one row of this rank's own first micro-batch, weight 0
         loss_sum, weight_sum = 0.0, 0.0
-        for i in range(passes):
-            self.model.set_requires_gradient_sync(i == passes - 1)  # one reduce-scatter, after the last pass
+        for i in range(passes):  # each backward reduce-scatters and accumulates into the gradient shards
             if i < len(mine):
                 loss_sum += self.run_piece(mine[i], mine[i].weight) * mine[i].weight
                 weight_sum += mine[i].weight

@@ -24,6 +24,7 @@ neighbour; `low_rank_head=True` applies the low-rank estimator to the LM head as
 from __future__ import annotations
 
 import contextlib
+import math
 import zlib
 from dataclasses import dataclass, fields
 
@@ -101,15 +102,17 @@ class LowRankWgrad:
 
     V1 of a weight is computed at its first use in each epoch of `tau` optimizer steps (train.py sets
     `steps`; `prepare(model)` computes all of a model's at once), or again after `refresh()`. `svd`:
-    'exact' (torch.linalg.svd), 'randomized' (`randomized_right_basis` with `oversample` extra columns and
-    `niter` power iterations) or 'auto' (randomized when min(m, n) > `exact_limit`). The randomized path
+    'exact' (torch.linalg.svd), 'randomized' (`randomized_right_basis` with max(8, oversample * r) extra
+    columns and `niter` power iterations) or 'auto' (randomized when min(m, n) > `exact_limit`). The
+    defaults (oversample 0.5, niter 8) are the cheapest setting measured by experiments/svd_accuracy.py to
+    capture the exact top-r energy within 0.5% on trained, decaying-spectrum and Gaussian 1B-shaped weights. The randomized path
     draws from a generator seeded by (seed, epoch, the matrix's parameter name), so V1 is a function of
     the weight and that triple only: every rank holding the same weights holds the same subspaces.
     Weights that are DTensors (FSDP2 shards) are gathered first (a collective: every rank calls prepare).
     """
 
-    def __init__(self, r: float = 0.125, tau: int = 50, svd: str = "auto", oversample: int = 16,
-                 niter: int = 4, exact_limit: int = 1024, seed: int = 0):
+    def __init__(self, r: float = 0.125, tau: int = 50, svd: str = "auto", oversample: float = 0.5,
+                 niter: int = 8, exact_limit: int = 1024, seed: int = 0):
         if r <= 0:
             raise ValueError(f"low-rank r={r} must be positive")
         if tau < 1:
@@ -131,6 +134,9 @@ class LowRankWgrad:
 
     def refresh(self) -> None:
         self._basis.clear()
+
+    def oversample_columns(self, r: int) -> int:
+        return max(8, math.ceil(self.oversample * r))
 
     def method(self, m: int, n: int, r: int) -> str:
         if self.svd == "exact" or r > min(m, n) or (self.svd == "auto" and min(m, n) <= self.exact_limit):
@@ -156,7 +162,7 @@ class LowRankWgrad:
         if self.method(m, n, r) == "exact":
             v1 = exact_right_basis(w, r)
         else:
-            v1 = randomized_right_basis(w, r, self.oversample, self.niter, self.generator(linear, w.device))
+            v1 = randomized_right_basis(w, r, self.oversample_columns(r), self.niter, self.generator(linear, w.device))
         v1 = v1.contiguous()
         self._basis[linear] = (v1, self.steps // self.tau)
         self.svd_count += 1

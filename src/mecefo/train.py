@@ -480,4 +480,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: skip interpreter teardown, where gloo's worker
+        sys.stdout.flush()                    # threads can abort the process after a clean finish
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

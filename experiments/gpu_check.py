@@ -1,0 +1,208 @@
+"""The GPU check: what a user with one CUDA GPU runs to see that the paper-scale path works (under 10 minutes).
+
+    python -m experiments.gpu_check            # on a CUDA machine; without CUDA it says so and exits 0
+    python -m experiments.gpu_check --device cpu --quick   # the same checks, small, on the CPU (CI runs this)
+
+Checks, each recorded in results/gpu_check.json (results/gpu_check-cpu.json for --device cpu):
+1. bf16 training (autocast) with every policy under failures (nano, a trace with overlapping failures of two
+   of four ranks): finite losses, the failure path taken.
+2. the low-rank path on the device: randomized V1 of a llama-1b FFN-shaped Gaussian weight (the hardest
+   spectrum) against the exact SVD, energy gap and times.
+3. torchrun with one process (nccl on CUDA, gloo on the CPU), unsharded and FSDP2-sharded.
+4. throughput of llama-60m and llama-130m (bf16 autocast, AdamW, synthetic tokens): tokens/s of a normal
+   step, MFU = counted FLOPs (mecefo.costs) x steps/s / the GPU's bf16 dense peak, the wall-time ratio of a
+   MeCeFO neighbour step (two micro-batches with the three techniques) to a normal step measured
+   alternately in the same run, and the measured peak memory against mecefo.costs.training_memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from mecefo.costs import Shape, analytic_flops, training_memory
+from mecefo.model import GPT, count_parameters, preset
+from mecefo.neighbour import (MECEFO, LowRankWgrad, Neighbour, Techniques, exact_right_basis, randomized_right_basis,
+                             resolve_rank)
+from mecefo.records import atomic_write_json, git_commit, package_versions
+
+from .common import CONFIGS, RESULTS, ROOT, guarded
+
+PEAK_BF16 = {"A100": 312e12, "H100": 989e12, "H200": 989e12, "H800": 989e12, "A800": 312e12, "L40S": 362e12,
+             "A10": 125e12, "L4": 121e12, "V100": 125e12, "4090": 165e12}  # dense bf16 (V100: fp16) FLOP/s
+TRACE = "0,add,node1\n0,add,node2\n0,add,node3\n0,add,node4\n2000,remove,node2\n4000,remove,node1\n6000,add,node2\n8000,add,node1\n"
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16.items() if k in name), None)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def check_policies(device: torch.device, tmp: Path, steps: int) -> dict:
+    from mecefo.cluster import POLICIES
+    from mecefo.train import main as train_main
+
+    trace = tmp / "trace.csv"
+    trace.write_text(TRACE)
+    out = {}
+    for policy in POLICIES:
+        run = tmp / f"policy-{policy}"
+        t = time.perf_counter()
+        rc = train_main(["--config", str(CONFIGS / "nano.toml"), "--steps", str(steps), "--ranks", "4",
+                         "--failures", str(trace), "--seconds_per_step", "1", "--policy", policy, "--precision", "bf16",
+                         "--device", device.type, "--restart_every", "3", "--eval_every", str(steps), "--quiet",
+                         "--out", str(run)])
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][1:] if rc == 0 else []
+        out[policy] = {"exit": rc, "seconds": time.perf_counter() - t,
+                       "steps_with_failures": sum(bool(r["failed"]) for r in rows),
+                       "finite": bool(rows) and all(r["loss"] is not None and r["loss"] == r["loss"] for r in rows),
+                       "final_val_loss": json.loads((run / "summary.json").read_text())["final_val_loss"] if rc == 0 else None}
+    return out
+
+
+def check_low_rank(device: torch.device, quick: bool) -> dict:
+    cfg = preset("llama-60m" if quick else "llama-1b")
+    m, n = cfg.ffn_dim, cfg.dim
+    r = resolve_rank(LowRankWgrad().r, m, n)
+    w = torch.randn(m, n, generator=torch.Generator().manual_seed(0)).to(device)
+    lr = LowRankWgrad()
+    sync(device)
+    t = time.perf_counter()
+    exact = exact_right_basis(w, r)
+    sync(device)
+    t_exact = time.perf_counter() - t
+    t = time.perf_counter()
+    v1 = randomized_right_basis(w, r, lr.oversample_columns(r), lr.niter, torch.Generator(device=device).manual_seed(0))
+    sync(device)
+    t_rand = time.perf_counter() - t
+    gap = 1 - (w @ v1).square().sum() / (w @ exact).square().sum()
+    return {"shape": [m, n], "r": r, "energy_gap": float(gap), "exact_seconds": t_exact, "randomized_seconds": t_rand}
+
+
+def check_torchrun(device: torch.device, tmp: Path, steps: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"}
+    out = {}
+    for shard in ("none", "fsdp"):
+        run = tmp / f"torchrun-{shard}"
+        t = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+                               "-m", "mecefo.train", "--config", str(CONFIGS / "nano.toml"), "--steps", str(steps),
+                               "--ranks", "1", "--backend", "torch", "--shard", shard, "--device", device.type,
+                               "--eval_every", str(steps), "--quiet", "--out", str(run)],
+                              capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+        out[shard] = {"exit": proc.returncode, "seconds": time.perf_counter() - t,
+                      "backend": "nccl" if device.type == "cuda" else "gloo",
+                      "final_val_loss": json.loads((run / "summary.json").read_text())["final_val_loss"]
+                      if proc.returncode == 0 else None, "stderr_tail": proc.stderr[-500:] if proc.returncode else ""}
+    return out
+
+
+def check_throughput(device: torch.device, name: str, micro_batch: int, seq_len: int, steps: int) -> dict:
+    """Normal and MeCeFO-neighbour steps alternated on one model; returns tokens/s, MFU, ratio, memory."""
+    torch.manual_seed(0)
+    cfg = preset(name)
+    model = GPT(cfg).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    lowrank = LowRankWgrad().bind(model)
+    neighbour = Neighbour(MECEFO, lowrank)
+    idx = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len), device=device)
+    amp = torch.autocast(device.type, dtype=torch.bfloat16)
+
+    def step(nb: Neighbour | None, micro_batches: int) -> float:
+        sync(device)
+        t = time.perf_counter()
+        for _ in range(micro_batches):
+            with amp:
+                loss = model(idx, idx, neighbour=nb)
+            loss.backward()
+        if nb is not None:
+            nb.finish()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync(device)
+        return time.perf_counter() - t
+
+    lowrank.prepare(model)
+    for _ in range(2):  # warm-up (kernels, allocator, V1)
+        step(None, 1), step(neighbour, 2)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    normal, ratios = [], []
+    for _ in range(steps):
+        a = step(None, 1)
+        b = step(neighbour, 2)
+        normal.append(a)
+        ratios.append(b / a)
+    measured_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    shape = Shape(micro_batch, seq_len)
+    flops = analytic_flops(cfg, shape, Techniques())["total"]
+    t = statistics.median(normal)
+    peak = peak_flops(device)
+    predicted = training_memory(cfg, shape, 1, "none", MECEFO)
+    return {"preset": name, "parameters": count_parameters(cfg), "micro_batch": micro_batch, "seq_len": seq_len,
+            "tokens_per_s": shape.tokens / t, "step_seconds": t, "flops_per_step": flops,
+            "mfu": flops / t / peak if peak else None, "peak_flops": peak,
+            "neighbour_over_normal_time": statistics.median(ratios),
+            "measured_peak_bytes": measured_peak, "predicted_bytes": predicted,
+            "measured_over_predicted": measured_peak / predicted["total"] if measured_peak else None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--quick", action="store_true", help="small shapes and few steps (the CPU dry run)")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    path = RESULTS / ("gpu_check.json" if device.type == "cuda" else "gpu_check-cpu.json")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("gpu check: no CUDA device here; skipped (use --device cpu --quick for the CPU dry run)")
+        return 0
+    quick = args.quick
+    steps = 8 if quick else 20
+    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "quick": quick, "git_commit": git_commit(), "packages": package_versions()}
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        print("1/4 bf16 training with every policy under failures", flush=True)
+        result["policies"] = check_policies(device, tmp, steps)
+        print("2/4 randomized V1 against the exact SVD", flush=True)
+        result["low_rank"] = check_low_rank(device, quick)
+        print("3/4 torchrun with one process, unsharded and FSDP2", flush=True)
+        result["torchrun"] = check_torchrun(device, tmp, steps)
+    print("4/4 throughput, MFU, neighbour time ratio, peak memory", flush=True)
+    sizes = [("nano", 4, 64, 3)] if quick else [("llama-60m", 32, 256, 10), ("llama-130m", 32, 256, 10)]
+    result["throughput"] = [check_throughput(device, *s) for s in sizes]
+    result["seconds"] = time.perf_counter() - t0
+    ok = (all(p["exit"] == 0 and p["finite"] for p in result["policies"].values())
+          and all(t["exit"] == 0 for t in result["torchrun"].values()) and result["low_rank"]["energy_gap"] < 0.01)
+    result["ok"] = ok
+    atomic_write_json(path, result)
+    for t in result["throughput"]:
+        mfu = f"MFU {100 * t['mfu']:.1f}%" if t["mfu"] else "MFU n/a (no known peak)"
+        mem = (f", peak memory {t['measured_peak_bytes'] / 1e9:.2f} GB vs predicted {t['predicted_bytes']['total'] / 1e9:.2f} GB"
+               if t["measured_peak_bytes"] else "")
+        print(f"{t['preset']}: {t['tokens_per_s']:.0f} tokens/s, {mfu}, neighbour/normal time "
+              f"{t['neighbour_over_normal_time']:.2f}{mem}")
+    print(f"gpu check {'passed' if ok else 'FAILED'} in {result['seconds']:.0f} s -> {path}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(guarded(main))
