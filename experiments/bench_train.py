@@ -29,7 +29,7 @@ from mecefo.cluster import LocalCluster, plan_step
 from mecefo.model import GPT, ModelConfig, preset
 from mecefo.neighbour import LowRankWgrad
 from mecefo.records import atomic_write_json, git_commit, package_versions
-from mecefo.train import apply_update
+from mecefo.train import apply_update, clip_gradients
 
 from .common import RESULTS, guarded
 
@@ -104,7 +104,8 @@ def our_step(cluster, model, opt, step):
     plan = plan_step("mecefo", step, frozenset(), 1, 1, cluster.data.x.shape[0])
     cluster.prepare(plan)
     result = cluster.step(plan)
-    apply_update(model, opt, 1e-3, 1.0)
+    clip_gradients(model, 1.0)
+    apply_update(opt, 1e-3)
     model.zero_grad(set_to_none=True)
     return result.loss
 
