@@ -20,35 +20,28 @@ import shutil
 import sys
 from contextlib import nullcontext
 
-import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
-import seaborn as sns
 import torch
 from tqdm import tqdm
 
-from experiments.common import RESULTS, guarded, load_config
-from mecefo.cluster import LocalCluster, plan_step
+from mecefo.errors import guarded
+from mecefo.results import load_config, measurement, run_dir
+from mecefo.cluster import LocalCluster
+from mecefo.policies import plan_step
 from mecefo.data import TokenData
 from mecefo.failures import SCENARIOS
-from mecefo.model import GPT, preset
+from mecefo.model import GPT, GROUP_KINDS, group_kind, group_of, preset
 from mecefo.neighbour import LowRankWgrad, Techniques
 from mecefo.records import atomic_write_json, git_commit
 from mecefo.stats import estimator_stats, reference_gradient
 from mecefo.train import run
-from paper_figures.common import save_figure, style
 
-GROUPS = ("attention", "ffn", "embedding/head", "norms")
+GROUPS = GROUP_KINDS  # attention (with its norm), ffn (with its norm), embedding, head, final norm (mecefo.model)
 
 
 def group_name(param: str) -> str:
-    if "norm" in param:
-        return "norms"
-    if ".attention." in param:
-        return "attention"
-    if ".ffn." in param:
-        return "ffn"
-    return "embedding/head"
+    return group_kind(group_of(param))
 
 
 class GradientSampler:
@@ -62,8 +55,8 @@ class GradientSampler:
         self.groups = {g: slice(int(a), int(b)) for g, a, b in zip(GROUPS, starts[:-1], starts[1:])}
         self.data = data
 
-    def draw(self, policy: str, failed: frozenset[int], address: int, techniques: Techniques, rank: float) -> np.ndarray:
-        lowrank = LowRankWgrad(r=rank, tau=10**9, svd="exact")
+    def draw(self, policy: str, failed: frozenset[int], address: int, techniques: Techniques, r: float) -> np.ndarray:
+        lowrank = LowRankWgrad(r=r, tau=10**9, svd="exact")
         cluster = LocalCluster(self.model, self.data, self.cfg.train.seed, torch.device("cpu"), lowrank, nullcontext,
                                n_ranks=self.n)
         plan = plan_step(policy, address, failed, self.n, 1, self.cfg.data.micro_batch_size, techniques)
@@ -76,11 +69,11 @@ class GradientSampler:
 
 def estimators(quick: bool, n: int) -> list[dict]:
     """name, policy, techniques, r, failure level (None: one fixed failed rank)."""
-    ranks = (2, 8) if quick else (4, 16, 64, 128)
+    r_values = (2, 8) if quick else (4, 16, 64, 128)
     out = [{"name": "failure-free", "policy": "mecefo", "techniques": "normal", "r": 0, "level": "none"},
            {"name": "drop", "policy": "drop", "techniques": "normal", "r": 0, "level": None},
            {"name": "skip_attention", "policy": "mecefo", "techniques": "skip_attention", "r": 0, "level": None}]
-    for r in ranks:
+    for r in r_values:
         out.append({"name": f"low_rank_wgrad r={r}", "policy": "mecefo", "techniques": "low_rank_wgrad", "r": r, "level": None})
         out.append({"name": f"mecefo r={r}", "policy": "mecefo", "techniques": "mecefo", "r": r, "level": None})
     for level in ("low", "mid", "high"):
@@ -91,7 +84,7 @@ def estimators(quick: bool, n: int) -> list[dict]:
 
 def checkpoints(cfg, quick: bool) -> dict[str, str]:
     """Train failure-free once, keeping copies of the checkpoint early / middle / late."""
-    out = RESULTS / "analysis" / "bias_variance" / f"{cfg.model.preset}-{cfg.hash()}"
+    out = run_dir("analysis/bias_variance", cfg)
     marks = {"early": max(1, cfg.train.steps // 10), "middle": cfg.train.steps // 2, "late": cfg.train.steps}
     paths = {}
     for name, step in marks.items():
@@ -157,44 +150,11 @@ def crossing(df: pd.DataFrame) -> dict:
     return out
 
 
-def figures(df: pd.DataFrame) -> None:
-    style()
-    order = ["early", "middle", "late"]
-    fixed = df[(df["group"] == "all") & df["name"].str.contains("r=")].copy()
-    fixed["family"] = fixed["name"].str.split(" ").str[0]
-    g = sns.relplot(fixed, x="r", y="mse", hue="family", col="stage", col_order=order, kind="line", marker="o",
-                    height=3.2, facet_kws={"sharey": False})
-    for ax, stage in zip(g.axes.flat, order):
-        sub = df[(df["group"] == "all") & (df["stage"] == stage)]
-        for name, style_ in (("drop", "--"), ("failure-free", ":")):
-            row = sub[sub["name"] == name].iloc[0]
-            ax.axhline(row["mse"], ls=style_, color="k", lw=1, label=name)
-            ax.axhspan(*row["mse_ci"], color="grey", alpha=0.15)
-        ax.set(xscale="log", ylabel="MSE ||g~ - grad f||^2")
-    g.axes.flat[0].legend(fontsize=7)
-    g.figure.suptitle("MSE vs low-rank r, one failed rank: drop (unbiased, fewer samples) vs MeCeFO (biased, all samples)", fontsize=9, y=1.03)
-    save_figure(g.figure, "bias_variance_mse_vs_r")
-
-    groups = df[(df["group"] != "all") & df["name"].isin(["drop", "skip_attention", "failure-free"] +
-                                                          [n for n in df["name"].unique() if n.startswith("mecefo r=")][:1])]
-    melted = groups.melt(id_vars=["stage", "name", "group"], value_vars=["bias_sq_debiased", "variance"], var_name="part")
-    g = sns.catplot(melted, x="group", y="value", hue="name", col="part", row="stage", row_order=order, kind="bar",
-                    height=2.6, aspect=1.5, sharey=False)
-    g.set_xticklabels(rotation=20)
-    save_figure(g.figure, "bias_variance_by_group")
-
-    levels = df[(df["group"] == "all") & df["name"].str.contains("@")].copy()
-    levels["policy"], levels["level"] = levels["name"].str.split(" @ ").str[0], levels["name"].str.split(" @ ").str[1]
-    g = sns.catplot(levels, x="level", y="mse", hue="policy", col="stage", col_order=order, kind="point", height=3,
-                    sharey=False)
-    save_figure(g.figure, "bias_variance_vs_level")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     quick = parser.parse_args(argv).quick
-    path = RESULTS / "analysis" / f"bias_variance-{'quick' if quick else 'default'}.json"
+    path = measurement("analysis", "bias_variance", quick)
     if path.exists():
         import json
 
@@ -203,11 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         result = measure(quick)
         result["crossing"] = crossing(pd.DataFrame(result["rows"]))
         atomic_write_json(path, result)
-    figures(pd.DataFrame(result["rows"]))
     for stage, c in result["crossing"].items():
         print(f"{stage}: drop MSE {c['drop_mse']:.4g}; MeCeFO MSE by r {({r: round(v, 4) for r, v in c['mecefo_mse_by_r'].items()})}; "
               f"MeCeFO below drop from r = {c['smallest_r_below_drop']}")
-    print(f"-> {path}")
+    print(f"-> {path} (figures: python -m paper_figures.bias_variance)")
     return 0
 
 

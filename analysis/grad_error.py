@@ -14,23 +14,18 @@ import argparse
 import json
 import sys
 
-import matplotlib.pyplot as plt
 import numpy as np
-import pandas as pd
-import seaborn as sns
 
-from experiments.common import RESULTS, guarded, load_config
-from mecefo.records import atomic_write_json, git_commit
+from mecefo.errors import guarded
+from mecefo.records import atomic_write_json, git_commit, read_jsonl
+from mecefo.results import RESULTS, load_config, measurement, paper_numbers, run_dir
 from mecefo.train import run
-from paper_figures.common import read_jsonl, save_figure, style
 
 LEVELS = ("low", "mid", "high")
 
 
 def paper_bound() -> float:
-    from paper_figures.sweep import PAPER
-
-    return PAPER["grad_relative_error_bound"]["value"]
+    return paper_numbers()["grad_relative_error_bound"]["value"]
 
 
 def configs(quick: bool):
@@ -46,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     quick = parser.parse_args(argv).quick
     bound, rows, summary = paper_bound(), [], {}
     for level, cfg in configs(quick):
-        out = RESULTS / "analysis" / "grad_error" / f"{cfg.model.preset}-{cfg.hash()}"
+        out = run_dir("analysis/grad_error", cfg)
         run(cfg, out, quiet=True)
         errors = [(m["step"], m["grad_rel_error"]) for m in read_jsonl(out / "metrics.jsonl")
                   if m.get("grad_rel_error") is not None and not m.get("replay")]
@@ -58,18 +53,9 @@ def main(argv: list[str] | None = None) -> int:
         rows += [{"level": level, "step": s, "relative error": v} for s, v in errors]
         print(f"grad error {level}: {len(e)} steps with a failure; max {summary[level]['max']}, "
               f"above {bound}: {summary[level]['fraction_above_0.6']}, above 1: {summary[level]['fraction_above_1']}")
-    profile = "quick" if quick else "default"
-    atomic_write_json(RESULTS / "analysis" / f"grad_error-{profile}.json",
-                      {"levels": summary, "paper_bound": bound, "points": rows, "git_commit": git_commit()})
-    style()
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    if rows:
-        sns.scatterplot(pd.DataFrame(rows), x="step", y="relative error", hue="level", hue_order=list(LEVELS), s=12, ax=ax)
-    ax.axhline(bound, color="k", ls="--", lw=1, label=f"paper: below {bound} (LLaMA-1B)")
-    ax.axhline(1.0, color="grey", ls=":", lw=1, label="1 (Assumption 3 needs < 1)")
-    ax.legend(fontsize=7)
-    ax.set(title="Relative gradient error of MeCeFO vs failure-free, same batches", ylabel="||g~ - g|| / ||g||")
-    save_figure(fig, "grad_error")
+    path = measurement("analysis", "grad_error", quick)
+    atomic_write_json(path, {"levels": summary, "paper_bound": bound, "points": rows, "git_commit": git_commit()})
+    print(f"-> {path} (figure: python -m paper_figures.grad_error)")
     return 0
 
 

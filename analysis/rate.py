@@ -22,15 +22,12 @@ import argparse
 import json
 import sys
 
-import matplotlib.pyplot as plt
 import numpy as np
-import pandas as pd
-import seaborn as sns
 
-from experiments.common import RESULTS, guarded
-from mecefo.records import atomic_write_json, git_commit
+from mecefo.errors import guarded
+from mecefo.records import atomic_write_json, git_commit, read_jsonl
+from mecefo.results import RESULTS, measurement, sweep_index
 from mecefo.stats import fit_rate
-from paper_figures.common import read_jsonl, save_figure, style
 
 POLICIES = ("failure-free", "drop", "mecefo")
 
@@ -60,11 +57,11 @@ def aggregate(policy: str, grads: np.ndarray, failed: np.ndarray, d_att: int, pr
     return np.concatenate([att, ffn], axis=1)
 
 
-def simulate(policy: str, n: int, steps: int, seeds: int, d: int = 32, d_att: int = 8, rank: int = 6,
+def simulate(policy: str, n: int, steps: int, seeds: int, d: int = 32, d_att: int = 8, r: int = 6,
              sigma: float = 4.0, p_fail: float = 0.125, c: float = 0.2, beta: float = 0.9, seed: int = 0) -> float:
     """Mean over seeds of (1/T) sum_t ||grad f(x_t)||^2 under momentum SGD with eta = c sqrt(n / T)."""
     rng = np.random.default_rng([seed, n, steps, POLICIES.index(policy)])
-    basis = np.linalg.qr(np.random.default_rng(12345).normal(size=(d - d_att, rank)))[0]
+    basis = np.linalg.qr(np.random.default_rng(12345).normal(size=(d - d_att, r)))[0]
     proj = basis @ basis.T  # fixed: the same subspace for every run
     eta = c * np.sqrt(n / steps)
     x = np.random.default_rng([seed, 99]).normal(scale=2.0, size=(seeds, d))  # same start for every policy
@@ -95,8 +92,8 @@ def synthetic(quick: bool) -> dict:
     return {"points": rows, "fits": fits, "seeds": seeds, "ns": ns, "ts": ts}
 
 
-def gpt_curves(profile: str) -> list[dict]:
-    index = RESULTS / "sweep" / f"index-{profile}.json"
+def gpt_curves(quick: bool) -> list[dict]:
+    index = sweep_index(quick)
     if not index.exists():
         return []
     rows = []
@@ -108,49 +105,21 @@ def gpt_curves(profile: str) -> list[dict]:
     return rows
 
 
-def figures(result: dict):
-    style()
-    pts = pd.DataFrame(result["synthetic"]["points"])
-    fig, ax = plt.subplots(figsize=(5.8, 4))
-    sns.scatterplot(pts, x="nT", y="mean_sq_grad", hue="policy", style="n", ax=ax)
-    xs = np.logspace(np.log10(pts["nT"].min()), np.log10(pts["nT"].max()), 50)
-    for i, (p, f) in enumerate(result["synthetic"]["fits"].items()):
-        ax.plot(xs, np.exp(f["intercept"]) * xs ** f["slope"], color=sns.color_palette()[i], lw=1,
-                label=f"{p}: slope {f['slope']:.3f} [{f['ci95'][0]:.3f}, {f['ci95'][1]:.3f}]")
-    anchor = pts[pts["policy"] == "failure-free"]["mean_sq_grad"].max() * pts["nT"].min() ** 0.5
-    ax.plot(xs, anchor * xs ** -0.5, "k--", lw=1, label="theory: slope -1/2")
-    ax.set(xscale="log", yscale="log", xlabel="nT", ylabel="(1/T) sum ||grad f(x_t)||^2",
-           title="Synthetic non-convex problem, momentum SGD, eta ~ sqrt(n/T)")
-    ax.legend(fontsize=6, loc="lower left")
-    out = [save_figure(fig, "rate_synthetic")]
-    if result["gpt"]:
-        df = pd.DataFrame(result["gpt"])
-        fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-        for ax, col in zip(axes, ("loss", "grad_norm")):
-            sns.lineplot(df, x="nT", y=col, hue="n", palette="viridis", ax=ax, lw=0.8)
-            ax.set(xscale="log", yscale="log", xlabel="n x step")
-        fig.suptitle("GPT sweep, failure-free runs (global batch fixed: n x step counts ranks, not samples)", fontsize=9)
-        out.append(save_figure(fig, "rate_gpt_curves"))
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     quick = parser.parse_args(argv).quick
-    profile = "quick" if quick else "default"
-    path = RESULTS / "analysis" / f"rate-{profile}.json"
+    path = measurement("analysis", "rate", quick)
     if path.exists():
         result = json.loads(path.read_text())
     else:
         result = {"synthetic": synthetic(quick), "git_commit": git_commit()}
-    result["gpt"] = gpt_curves(profile)
+    result["gpt"] = gpt_curves(quick)
     atomic_write_json(path, result)
-    figures(result)
     for p, f in result["synthetic"]["fits"].items():
         print(f"rate {p}: slope {f['slope']:.3f}, 95% CI [{f['ci95'][0]:.3f}, {f['ci95'][1]:.3f}], "
               f"-1/2 inside: {f['contains_-0.5']}")
-    print(f"-> {path}")
+    print(f"-> {path} (figures: python -m paper_figures.rate)")
     return 0
 
 

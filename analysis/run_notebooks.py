@@ -12,8 +12,8 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
-from experiments.common import guarded
-from paper_figures.common import OUT
+from mecefo.errors import guarded
+from mecefo.results import FIGURES as OUT
 
 HERE = Path(__file__).resolve().parent
 

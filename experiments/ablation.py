@@ -19,6 +19,7 @@ Writes results/ablation/ablation-<hash>.json; reruns with the same settings reus
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -32,7 +33,9 @@ from mecefo.model import GPT, count_parameters, preset
 from mecefo.neighbour import LowRankWgrad, Neighbour, Techniques
 from mecefo.records import atomic_write_json, git_commit, package_versions, stable_hash
 
-from .common import RESULTS, guarded
+from mecefo.results import measurement
+
+from .common import guarded
 
 ROWS = {  # row name -> (techniques, micro-batches computed by this rank per step slot)
     "normal rank": (Techniques(), 1),
@@ -51,24 +54,24 @@ DP_RANKS = 32
 WALL_PRESETS = ("tiny", "small")
 
 
-def step_flops(name: str, techniques: Techniques, micro_batches: int, rank: float) -> dict:
+def step_flops(name: str, techniques: Techniques, micro_batches: int, r: float) -> dict:
     """Counted FLOPs of one step slot: micro_batches x k micro-batches, the low-rank factor applied once."""
     cfg, (b, k) = preset(name), SHAPES[name]
-    counted = counted_flops(cfg, Shape(b, SEQ_LEN), techniques, rank)
-    analytic = analytic_flops(cfg, Shape(b, SEQ_LEN), techniques, rank)
+    counted = counted_flops(cfg, Shape(b, SEQ_LEN), techniques, r)
+    analytic = analytic_flops(cfg, Shape(b, SEQ_LEN), techniques, r)
     if counted != analytic:
         raise AssertionError(f"{name} {techniques.names}: counted {counted} != analytic {analytic}")
     per_micro = counted["total"] - counted["wgrad_apply"]
     return {"flops": micro_batches * k * per_micro + counted["wgrad_apply"], "per_micro_batch": counted}
 
 
-def time_ratio(name: str, techniques: Techniques, micro_batches: int, rank: float, rounds: int) -> float:
+def time_ratio(name: str, techniques: Techniques, micro_batches: int, r: float, rounds: int) -> float:
     """Median over rounds of (time of this row's step slot) / (time of a normal rank's), alternating."""
     torch.manual_seed(0)
     cfg, (b, _) = preset(name), SHAPES[name]
     model = GPT(cfg)
     idx = torch.randint(0, cfg.vocab_size, (b, SEQ_LEN))
-    lowrank = LowRankWgrad(r=rank)
+    lowrank = LowRankWgrad(r=r)
 
     def slot(tech: Techniques, count: int) -> float:
         neighbour = None if tech == Techniques() else Neighbour(tech, lowrank)
@@ -101,13 +104,13 @@ def memory_fit(name: str, act_bytes: int, batch: int) -> dict:
 
 
 def settings_for(quick: bool) -> dict:
-    return {"presets": list(SHAPES), "shapes": SHAPES, "seq_len": SEQ_LEN, "ranks": [64] if quick else [32, 64, 128, 256],
+    return {"presets": list(SHAPES), "shapes": SHAPES, "seq_len": SEQ_LEN, "r_values": [64] if quick else [32, 64, 128, 256],
             "wall_presets": ["tiny"] if quick else list(WALL_PRESETS), "rounds": 2 if quick else 5,
             "rows": list(ROWS), "version": 2}
 
 
 def result_path(quick: bool):
-    return RESULTS / "ablation" / f"ablation-{stable_hash(settings_for(quick))}.json"
+    return measurement("ablation", "ablation", quick)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,37 +118,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="one r, wall time on tiny only, fewer rounds")
     args = parser.parse_args(argv)
     settings = settings_for(args.quick)
-    ranks, wall_presets, rounds = settings["ranks"], settings["wall_presets"], settings["rounds"]
+    r_values, wall_presets, rounds = settings["r_values"], settings["wall_presets"], settings["rounds"]
     path = result_path(args.quick)
-    if path.exists():
+    if path.exists() and json.loads(path.read_text()).get("settings_hash") == stable_hash(settings):
         print(f"reusing {path}")
         return 0
     records = []
-    work = [(n, row, r) for n in SHAPES for row in ROWS for r in (ranks if "low_rank" in row else ranks[:1])]
-    for name, row, rank in tqdm(work, desc="ablation", disable=not sys.stderr.isatty()):
+    work = [(n, row, r) for n in SHAPES for row in ROWS for r in (r_values if "low_rank" in row else r_values[:1])]
+    for name, row, r in tqdm(work, desc="ablation", disable=not sys.stderr.isatty()):
         techniques, micro = ROWS[row]
         cfg, (b, k) = preset(name), SHAPES[name]
-        flops = step_flops(name, techniques, micro, rank)
-        per_micro_bytes = saved_activation_bytes(cfg, Shape(b, SEQ_LEN), techniques, rank)
-        together = saved_activation_bytes(cfg, Shape(micro * b, SEQ_LEN), techniques, rank)
-        rec = {"preset": name, "row": row, "techniques": techniques.names, "micro_batches": micro, "rank": rank,
-               "ffn_rank": [r for _, _, r in ffn_matrices(cfg, rank)],
+        flops = step_flops(name, techniques, micro, r)
+        per_micro_bytes = saved_activation_bytes(cfg, Shape(b, SEQ_LEN), techniques, r)
+        together = saved_activation_bytes(cfg, Shape(micro * b, SEQ_LEN), techniques, r)
+        rec = {"preset": name, "row": row, "techniques": techniques.names, "micro_batches": micro, "r": r,
+               "ffn_r": [w for _, _, w in ffn_matrices(cfg, r)],
                "batch": b, "k": k, "tokens_per_step": k * b * SEQ_LEN, "flops": flops["flops"],
                "per_micro_batch_flops": flops["per_micro_batch"],
                "activation_bytes_together": together, "activation_bytes_sequential": per_micro_bytes,
                "memory_fit": memory_fit(name, together, b)}
         if "low_rank" in row:  # the SVD method LowRankWgrad(svd="auto") picks: exact up to min(m, n) = 1024
-            lr = LowRankWgrad(r=rank)
+            lr = LowRankWgrad(r=r)
             rec["svd_flops_per_refresh"] = cfg.n_layers * sum(
-                svd_flops(m, n, r, lr.method(m, n, r), lr.oversample_columns(r), lr.niter)
-                for m, n, r in ffn_matrices(cfg, rank))
+                svd_flops(m, n, w, lr.method(m, n, w), lr.oversample_columns(w), lr.niter)
+                for m, n, w in ffn_matrices(cfg, r))
         if name in wall_presets:
-            rec["wall_ratio"] = time_ratio(name, techniques, micro, rank, rounds)
-            rec["peak_memory"] = peak_memory(cfg, Shape(micro * b, SEQ_LEN), techniques, rank=rank)
+            rec["wall_ratio"] = time_ratio(name, techniques, micro, r, rounds)
+            rec["peak_memory"] = peak_memory(cfg, Shape(micro * b, SEQ_LEN), techniques, r=r)
         records.append(rec)
-        print(f"{name:11s} {row:27s} r={rank:<4} flops {rec['flops']:.3e} act {together / 2**20:9.1f} MiB"
+        print(f"{name:11s} {row:27s} r={r:<4} flops {rec['flops']:.3e} act {together / 2**20:9.1f} MiB"
               + (f" wall x{rec['wall_ratio']:.2f}" if "wall_ratio" in rec else ""), flush=True)
-    result = {"settings": settings, "records": records, "a100_bytes": A100_BYTES, "dp_ranks": DP_RANKS,
+    result = {"settings": settings, "settings_hash": stable_hash(settings), "records": records, "a100_bytes": A100_BYTES, "dp_ranks": DP_RANKS,
               "git_commit": git_commit(), "packages": package_versions(), "threads": torch.get_num_threads()}
     atomic_write_json(path, result)
     print(f"ablation: {len(records)} rows -> {path}")

@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mecefo.cluster import LocalCluster, plan_step
+from mecefo.cluster import LocalCluster
+from mecefo.policies import plan_step
 from mecefo.model import GPT, ModelConfig, preset
 from mecefo.neighbour import LowRankWgrad
 from mecefo.records import atomic_write_json, git_commit, package_versions

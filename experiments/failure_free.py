@@ -13,16 +13,16 @@ import sys
 
 from mecefo.train import run
 
-from .common import guarded, load_config, run_dir
+from mecefo.results import FAILURE_FREE_CONFIG
 
-CONFIG_OF_PROFILE = {"quick": "nano", "default": "tiny"}
+from .common import guarded, load_config, run_dir
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the CI-sized profile")
     args = parser.parse_args(argv)
-    cfg = load_config(CONFIG_OF_PROFILE["quick" if args.quick else "default"])
+    cfg = load_config(FAILURE_FREE_CONFIG["quick" if args.quick else "default"])
     summary = run(cfg, run_dir("failure_free", cfg))
     print(f"failure-free {cfg.model.preset}: val ppl {summary['final_val_ppl']:.2f} "
           f"in {summary['wall_time_s']:.0f} s -> {run_dir('failure_free', cfg)}")

@@ -55,13 +55,13 @@ def sync(device: torch.device) -> None:
 
 
 def check_policies(device: torch.device, tmp: Path, steps: int) -> dict:
-    from mecefo.cluster import POLICIES
+    from mecefo.policies import trainer_policies
     from mecefo.train import main as train_main
 
     trace = tmp / "trace.csv"
     trace.write_text(TRACE)
     out = {}
-    for policy in POLICIES:
+    for policy in trainer_policies():
         run = tmp / f"policy-{policy}"
         t = time.perf_counter()
         rc = train_main(["--config", str(CONFIGS / "nano.toml"), "--steps", str(steps), "--ranks", "4",

@@ -32,8 +32,9 @@ from mecefo.model import preset
 from mecefo.neighbour import LowRankWgrad, exact_right_basis, randomized_right_basis, resolve_rank
 from mecefo.records import atomic_write_json
 
-from .common import RESULTS, guarded, load_config, run_dir
-from .failure_free import CONFIG_OF_PROFILE
+from mecefo.results import failure_free_run
+
+from .common import RESULTS, guarded
 
 GRID = [(f, it) for f in (0.25, 0.5, 1.0) for it in (2, 4, 8)]  # (oversample as a fraction of r, niter)
 TOLERANCE = 0.01  # the target: within 1% of the exact top-r energy
@@ -50,15 +51,14 @@ def decaying(m: int, n: int, alpha: float, seed: int) -> torch.Tensor:
 
 
 def matrices(profile: str) -> list[tuple[str, torch.Tensor]]:
-    cfg = load_config(CONFIG_OF_PROFILE[profile])
-    ckpt = run_dir("failure_free", cfg) / "checkpoint.pt"
+    ckpt = failure_free_run(profile == "quick") / "checkpoint.pt"
     out = []
     if ckpt.exists():
         state = torch.load(ckpt, map_location="cpu", weights_only=False)["model"]
         layers = sorted({k.split(".")[1] for k in state if k.startswith("layers.")}, key=int)
         for l in (layers[0], layers[-1]):
             for proj in ("gate_proj", "up_proj", "down_proj"):
-                out.append((f"trained {cfg.model.preset} layer {l} {proj}", state[f"layers.{l}.ffn.{proj}.weight"].float()))
+                out.append((f"trained layer {l} {proj}", state[f"layers.{l}.ffn.{proj}.weight"].float()))
     else:
         print(f"note: {ckpt} not found (run python -m experiments.failure_free first); trained weights skipped")
     shape = preset("llama-60m" if profile == "quick" else "llama-1b")

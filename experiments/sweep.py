@@ -116,8 +116,9 @@ GPU_BYTES = 80 * 10**9  # one A100 80 GB, the paper's GPU
 def memory_per_gpu(cfg: config_mod.Config) -> dict[str, int]:
     """mecefo.costs.training_memory for a run's preset, micro-batch, n, sharding and neighbour techniques."""
     cc = cfg.cluster
-    return training_memory(preset(cfg.model.preset), Shape(cfg.data.micro_batch_size, cfg.data.seq_len), cc.ranks,
-                           cc.shard, Techniques.parse(cc.techniques), cc.low_rank)
+    return training_memory(preset(cfg.model.preset, vocab_size=cfg.data.vocab_size),
+                           Shape(cfg.data.micro_batch_size, cfg.data.seq_len), cc.ranks, cc.shard,
+                           Techniques.parse(cc.techniques), cc.r)
 
 
 def check_fits(cfg: config_mod.Config, gpu_bytes: int = GPU_BYTES) -> dict[str, int]:

@@ -14,9 +14,8 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
 
-from experiments.ablation import result_path
-from experiments.common import guarded
-from mecefo.errors import UsageError
+from mecefo.errors import UsageError, guarded
+from mecefo.results import measurement
 
 from .common import save_figure, style, write_table
 
@@ -25,7 +24,7 @@ PAPER_NOTE = ("The paper's Table 6 reports only that naive NDB runs out of memor
 
 
 def load_result(quick: bool) -> dict:
-    path = result_path(quick)
+    path = measurement("ablation", "ablation", quick)
     if not path.exists():
         raise UsageError(f"no {path}; run python -m experiments.ablation{' --quick' if quick else ''} first")
     return json.loads(path.read_text())
@@ -33,8 +32,8 @@ def load_result(quick: bool) -> dict:
 
 def table(result: dict) -> str:
     df = pd.DataFrame(result["records"])
-    r_main = 64 if 64 in result["settings"]["ranks"] else result["settings"]["ranks"][0]
-    df = df[(df["rank"] == r_main) | ~df["row"].str.contains("low_rank")]
+    r_main = 64 if 64 in result["settings"]["r_values"] else result["settings"]["r_values"][0]
+    df = df[(df["r"] == r_main) | ~df["row"].str.contains("low_rank")]
     lines = [f"# Neighbour cost per technique (the paper's Table 6, measured)\n",
              f"Sequence length {result['settings']['seq_len']}; low-rank r = {r_main} (per FFN matrix, capped at its "
              "input width); a neighbour computes its own and the failed rank's micro-batches. Ratios are to a normal "
@@ -73,15 +72,15 @@ def table(result: dict) -> str:
                          f"{'yes' if fit['zero2_fits'] else 'no'} ({fit['zero2_bytes'] / 1e9:.1f} GB)")
             cells.append(f"{fit['zero2_max_batch']} x {result['settings']['seq_len']}")
             lines.append("| " + " | ".join(cells) + " |")
-    ranks = result["settings"]["ranks"]
-    if len(ranks) > 1:
-        lines += ["\n## MeCeFO neighbour FLOPs / normal rank, by r\n", "| preset | " + " | ".join(f"r = {r}" for r in ranks) + " |",
-                  "|---|" + "---|" * len(ranks)]
+    r_values = result["settings"]["r_values"]
+    if len(r_values) > 1:
+        lines += ["\n## MeCeFO neighbour FLOPs / normal rank, by r\n", "| preset | " + " | ".join(f"r = {r}" for r in r_values) + " |",
+                  "|---|" + "---|" * len(r_values)]
         full = pd.DataFrame(result["records"])
         for name, group in full.groupby("preset", sort=False):
             base = group[group["row"] == "normal rank"].iloc[0]["flops"]
-            mecefo = group[group["row"].str.contains("MeCeFO")].set_index("rank")["flops"]
-            lines.append(f"| {name} | " + " | ".join(f"{mecefo[r] / base:.3f}" for r in ranks) + " |")
+            mecefo = group[group["row"].str.contains("MeCeFO")].set_index("r")["flops"]
+            lines.append(f"| {name} | " + " | ".join(f"{mecefo[r] / base:.3f}" for r in r_values) + " |")
     lines.append(f"\nSource: `{result['git_commit'][:12]}`, results/ablation (settings hash in the file name).\n")
     return "\n".join(lines)
 
@@ -98,9 +97,9 @@ def flops_vs_tokens(result: dict):
             c = rec["per_micro_batch_flops"]
             for k in [2 ** i for i in range(0, 11)]:
                 once = (2 * k * (c["total"] - c["wgrad_apply"]) + c["wgrad_apply"]) / (k * normal)
-                rows.append({"preset": name, "r": rec["rank"], "tokens per step": k * tokens_per_micro, "ratio": once,
+                rows.append({"preset": name, "r": rec["r"], "tokens per step": k * tokens_per_micro, "ratio": once,
                              "V1^T applied": "once per step"})
-                rows.append({"preset": name, "r": rec["rank"], "tokens per step": k * tokens_per_micro,
+                rows.append({"preset": name, "r": rec["r"], "tokens per step": k * tokens_per_micro,
                              "ratio": 2 * c["total"] / normal, "V1^T applied": "per micro-batch"})
     df = pd.DataFrame(rows)
     style()

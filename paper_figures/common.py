@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from pathlib import Path
@@ -13,9 +12,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import seaborn as sns  # noqa: E402
 
-from mecefo.records import atomic_write_text  # noqa: E402
-
-OUT = Path(__file__).resolve().parent / "out"
+from mecefo.records import atomic_write_text, read_jsonl  # noqa: E402,F401  (read_jsonl: for the figure scripts)
+from mecefo.results import FIGURES as OUT  # noqa: E402
 
 
 def style() -> None:
@@ -40,7 +38,3 @@ def write_table(name: str, markdown: str) -> Path:
     path = OUT / f"{name}.md"
     atomic_write_text(path, markdown)
     return path
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line]

@@ -13,9 +13,8 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
 
-from experiments.common import guarded, load_config, run_dir
-from experiments.failure_free import CONFIG_OF_PROFILE
-from mecefo.errors import UsageError
+from mecefo.errors import UsageError, guarded
+from mecefo.results import failure_free_run
 
 from .common import read_jsonl, save_figure, style, write_table
 
@@ -24,8 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
-    cfg = load_config(CONFIG_OF_PROFILE["quick" if args.quick else "default"])
-    folder = run_dir("failure_free", cfg)
+    folder = failure_free_run(args.quick)
     if not (folder / "summary.json").exists():
         raise UsageError(f"no finished run in {folder}; run python -m experiments.failure_free first")
     summary = json.loads((folder / "summary.json").read_text())
@@ -38,14 +36,14 @@ def main(argv: list[str] | None = None) -> int:
     val = rows.dropna(subset=["val_loss"])
     sns.lineplot(x=val["step"], y=val["val_loss"], ax=ax, marker="o", label="validation")
     ax.set(xlabel="step", ylabel="cross-entropy (nats/token)",
-           title=f"{cfg.model.preset}, failure-free (seed {summary['seed']}, config {summary['config_hash']})")
+           title=f"{summary['config']['model']['preset']}, failure-free (seed {summary['seed']}, config {summary['config_hash']})")
     paths = save_figure(fig, "failure_free_val_loss")
 
     m = summary["model"]
     table = (
         "| model | parameters | tokens | steps | final val loss | final val ppl | wall time (s) | config | commit |\n"
         "|---|---|---|---|---|---|---|---|---|\n"
-        f"| {cfg.model.preset} ({m['n_layers']}L, d={m['dim']}, V={m['vocab_size']}) | {summary['n_parameters']:,} "
+        f"| {summary['config']['model']['preset']} ({m['n_layers']}L, d={m['dim']}, V={m['vocab_size']}) | {summary['n_parameters']:,} "
         f"| {summary['tokens_seen']:,} | {summary['steps']} | {summary['final_val_loss']:.4f} "
         f"| {summary['final_val_ppl']:.2f} | {summary['wall_time_s']:.0f} | {summary['config_hash']} "
         f"| {summary['git_commit'][:12]} |\n"

@@ -10,8 +10,8 @@ import argparse
 import json
 import sys
 
-from experiments.common import RESULTS, guarded
-from mecefo.errors import UsageError
+from mecefo.errors import UsageError, guarded
+from mecefo.results import RESULTS
 
 from .common import write_table
 

@@ -17,18 +17,18 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
-from experiments.common import RESULTS, ROOT, guarded
-from mecefo.errors import UsageError
+from mecefo.errors import UsageError, guarded
 from mecefo.records import atomic_write_text
+from mecefo.results import RESULTS, ROOT, paper_numbers, sweep_index
 
 from .common import read_jsonl, save_figure, style, write_table
 
 LEVELS = ["none", "low", "mid", "high"]
-PAPER = json.loads((Path(__file__).parent / "paper_numbers.json").read_text())
+PAPER = paper_numbers()
 
 
 def load(profile: str) -> tuple[pd.DataFrame, dict]:
-    path = RESULTS / "sweep" / f"index-{profile}.json"
+    path = sweep_index(profile == "quick")
     if not path.exists():
         raise UsageError(f"no {path}; run python -m experiments.sweep{' --quick' if profile == 'quick' else ''} first")
     index = json.loads(path.read_text())

@@ -11,7 +11,10 @@ from hypothesis import strategies as st
 
 from experiments.common import CONFIGS, ROOT
 from mecefo import config as config_mod
-from mecefo.cluster import (LocalCluster, Piece, StepPlan, assign_neighbours, group_of, plan_step, rank_flops)
+from mecefo.cluster import LocalCluster
+from mecefo.model import group_of
+from mecefo.plan import Piece, StepPlan, assign_neighbours, rank_flops
+from mecefo.policies import plan_step, trainer_policies
 from mecefo.data import DataConfig, TokenData
 from mecefo.model import GPT, preset
 from mecefo.neighbour import MECEFO, LowRankWgrad, Neighbour, Techniques
@@ -44,7 +47,7 @@ def test_neighbour_is_the_next_alive_rank_in_ring_order():
     assert assign_neighbours(frozenset({1, 2}), 4) == {1: 3, 2: 0}  # 3 is taken by 1, so 2 goes on to 0
 
 
-@pytest.mark.parametrize("policy", ["mecefo", "ndb-exact", "drop", "spread", "spread-mecefo", "checkpoint-restart"])
+@pytest.mark.parametrize("policy", trainer_policies())
 def test_failed_ranks_compute_nothing_and_every_sample_is_accounted(policy):
     plan = plan_step(policy, 0, frozenset({1, 4}), 6, 2, 8, MECEFO)
     if policy != "checkpoint-restart":
@@ -60,14 +63,14 @@ def test_aggregation_weights_by_hand():
     plan = plan_step("mecefo", 0, frozenset({1}), 3, 1, 4, MECEFO)
     assert plan.neighbours == {1: 2}
     c = plan.counts(2)
-    assert c["attention.0"] == c["attention.1"] == 1 and c["ffn.0"] == 3 and c["other"] == 3
+    assert c["attention.0"] == c["attention.1"] == 1 and c["ffn.0"] == 3 and c["embedding"] == c["head"] == c["norm"] == 3
     drop = plan_step("drop", 0, frozenset({1}), 3, 1, 4).counts(2)
-    assert drop["attention.0"] == drop["other"] == 2
+    assert drop["attention.0"] == drop["embedding"] == 2
     spread = plan_step("spread", 0, frozenset({1}), 3, 1, 4)
     assert [(p.owner, p.start, p.stop) for p in spread.pieces[0]] == [(0, 0, 4), (1, 0, 2)]
-    assert spread.counts(1)["other"] == 3
+    assert spread.counts(1)["head"] == 3
     mixed = plan_step("spread-mecefo", 0, frozenset({1}), 3, 1, 4, MECEFO).counts(1)
-    assert mixed["attention.0"] == 2 and mixed["other"] == 3  # extra shares skip attention
+    assert mixed["attention.0"] == 2 and mixed["head"] == 3  # extra shares skip attention
 
 
 def test_group_of():
@@ -75,7 +78,10 @@ def test_group_of():
     assert group_of("layers.3.attention_norm.weight") == "attention.3"
     assert group_of("layers.0.ffn_norm.weight") == "ffn.0"
     assert group_of("layers.0.ffn.down_proj.weight") == "ffn.0"
-    assert group_of("embedding.weight") == group_of("lm_head.weight") == group_of("norm.weight") == "other"
+    assert (group_of("embedding.weight"), group_of("lm_head.weight"), group_of("norm.weight")) == ("embedding", "head", "norm")
+    model = GPT(preset("nano", vocab_size=64))
+    from mecefo.model import groups
+    assert sorted({group_of(n) for n, _ in model.named_parameters()}) == sorted(groups(len(model.layers)))
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +153,7 @@ def test_local_and_gloo_backends_end_with_the_same_parameters(tmp_path, policy):
     trace = tmp_path / "trace.csv"
     _write_trace(trace)
     common = ["--config", str(CONFIGS / "nano.toml"), "--steps", "10", "--eval_every", "5", "--failures", str(trace),
-              "--seconds_per_step", "1", "--policy", policy, "--ranks", "4", "--low_rank", "4", "--quiet"]
+              "--seconds_per_step", "1", "--policy", policy, "--ranks", "4", "--cluster.r", "4", "--quiet"]
     assert main(common + ["--out", str(tmp_path / "local")]) == 0
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",

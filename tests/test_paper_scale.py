@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from experiments.common import CONFIGS, ROOT
-from mecefo.cluster import POLICIES, LocalCluster, group_of
+from mecefo.cluster import LocalCluster
+from mecefo.model import group_of
+from mecefo.policies import trainer_policies
 from mecefo.model import GPT, preset
 from mecefo.neighbour import MECEFO, LowRankWgrad, Neighbour, Techniques, exact_right_basis, randomized_right_basis
 from mecefo.train import main
@@ -36,7 +38,7 @@ def _params(path):
 
 
 # ------------------------------------------------------------------------------------------------ bf16
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", trainer_policies())
 def test_every_policy_trains_under_bf16_with_failures(tmp_path, policy):
     trace = tmp_path / "trace.csv"
     trace.write_text(TRACE)
@@ -134,7 +136,7 @@ def test_gloo_ranks_hold_one_subspace_with_randomized_svd_and_failures_of_rank_0
     trace = tmp_path / "trace.csv"
     trace.write_text(TRACE)  # rank 1 down at steps 2-5, rank 0 at 4-7
     args = NANO + ["--steps", "10", "--eval_every", "5", "--failures", str(trace), "--seconds_per_step", "1",
-                   "--ranks", "4", "--low_rank", "4", "--low_rank_svd", "randomized", "--low_rank_tau", "3"]
+                   "--ranks", "4", "--cluster.r", "4", "--low_rank_svd", "randomized", "--low_rank_tau", "3"]
     proc = _torchrun(4, args + ["--backend", "torch", "--out", str(tmp_path / "gloo")])
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "gloo" / "summary.json").read_text())
@@ -151,7 +153,7 @@ def test_torch_backend_tracks_grad_error_like_local_and_reuses_a_finished_run(tm
     trace = tmp_path / "trace.csv"
     trace.write_text(TRACE)
     args = NANO + ["--steps", "8", "--eval_every", "8", "--failures", str(trace), "--seconds_per_step", "1",
-                   "--ranks", "4", "--low_rank", "4", "--track_grad_error", "true"]
+                   "--ranks", "4", "--cluster.r", "4", "--track_grad_error", "true"]
     assert main(args + ["--out", str(tmp_path / "local")]) == 0
     proc = _torchrun(4, args + ["--backend", "torch", "--out", str(tmp_path / "gloo")])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -170,7 +172,7 @@ def test_fsdp_sharded_and_unsharded_runs_end_with_equal_parameters(tmp_path, pol
     trace = tmp_path / "trace.csv"
     trace.write_text(TRACE)
     args = NANO + ["--steps", "10", "--eval_every", "5", "--failures", str(trace), "--seconds_per_step", "1",
-                   "--ranks", "4", "--low_rank", "4", "--policy", policy, "--backend", "torch", "--checkpoint_every", "5"]
+                   "--ranks", "4", "--cluster.r", "4", "--policy", policy, "--backend", "torch", "--checkpoint_every", "5"]
     for out, extra in (("plain", []), ("fsdp", ["--shard", "fsdp"]), ("resumed", ["--shard", "fsdp", "--stop-after", "5"]),
                        ("resumed", ["--shard", "fsdp", "--resume"])):
         proc = _torchrun(4, args + extra + ["--out", str(tmp_path / out)])
@@ -190,7 +192,7 @@ def test_bad_shard_option_exits_2(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------------------- non-finite values
-@pytest.mark.parametrize("option", ["--lr", "--optim.beta1", "--seconds_per_step", "--low_rank", "--grad_clip"])
+@pytest.mark.parametrize("option", ["--lr", "--optim.beta1", "--seconds_per_step", "--r", "--grad_clip"])
 @pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
 def test_float_options_must_be_finite(tmp_path, capsys, option, value):
     assert main(NANO + [option, value, "--out", str(tmp_path / "o")]) == 2
@@ -241,7 +243,7 @@ def test_gpu_check_runs_on_the_cpu_and_skips_cleanly_without_cuda(tmp_path, monk
     monkeypatch.setattr(gpu_check, "RESULTS", tmp_path)
     assert gpu_check.main(["--device", "cpu", "--quick"]) == 0
     result = json.loads((tmp_path / "gpu_check-cpu.json").read_text())
-    assert result["ok"] and set(result["policies"]) == set(POLICIES)
+    assert result["ok"] and set(result["policies"]) == set(trainer_policies())
     assert all(p["steps_with_failures"] > 0 for name, p in result["policies"].items() if name != "checkpoint-restart")
     assert result["torchrun"]["fsdp"]["final_val_loss"] == pytest.approx(result["torchrun"]["none"]["final_val_loss"], rel=1e-5)
     if not torch.cuda.is_available():

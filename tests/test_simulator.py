@@ -8,7 +8,10 @@ from mecefo.costs import Shape, analytic_flops
 from mecefo.failures import Event, Schedule, export_trace, read_trace
 from mecefo.model import preset
 from mecefo.neighbour import MECEFO, Techniques
-from mecefo.simulator import GPUS, POLICIES, CostModel, Job, neighbour_load, simulate
+from mecefo.policies import neighbour_load, simulator_policies
+from mecefo.simulator import GPUS, CostModel, Job, simulate
+
+POLICIES = simulator_policies()
 
 JOB = Job(model="llama-350m", dp=8, pp=2, micro_batch=4, global_batch=256)
 H = 6 * 3600.0
@@ -18,7 +21,7 @@ def test_step_flops_equal_costs_counts():
     cost = CostModel(JOB)
     cfg, shape = preset(JOB.model), Shape(JOB.micro_batch, JOB.seq_len)
     assert cost.flops_normal == analytic_flops(cfg, shape, Techniques())["total"]
-    nb = analytic_flops(cfg, shape, MECEFO, JOB.low_rank)
+    nb = analytic_flops(cfg, shape, MECEFO, JOB.r)
     assert cost.flops_neighbour + cost.flops_apply == nb["total"]
     assert cost.t_mb * GPUS[JOB.gpu]["peak_flops"] * JOB.mfu * JOB.pp == pytest.approx(cost.flops_normal)
 

@@ -1,46 +1,30 @@
-"""n data-parallel ranks under failures: roles per step, the policies, the paper's aggregation rule, and two
-backends with one semantics (in-process simulated ranks, or one torch.distributed process per rank).
+"""n data-parallel ranks under failures: the run's cluster configuration, the paper's aggregation rule, and
+the backends that run a step plan with one semantics (in-process simulated ranks, one torch.distributed
+process per rank, optionally FSDP2-sharded). Who computes what at a step is the policy's (mecefo.policies,
+mecefo.plan).
 
-Roles. Each failed rank j gets a neighbour: the next alive rank after j in ring order that covers nobody
-yet; once every alive rank covers one, the least-loaded alive rank, nearest in ring order after j.
-Roles are recomputed from the failed set every step, so a neighbour that fails hands over at the next step.
-
-Pieces. Each computing rank runs pieces: (whose micro-batch, which rows, which techniques). A piece of
-`rows` out of b rows has weight rows / b and contributes weight * grad(mean loss over its rows).
-
-Aggregation (the paper's rule, generalised by weights). Parameters fall in groups: attention of layer l
-(projections and their RMSNorm), FFN of layer l (projections and their RMSNorm), and everything else.
-For each group G,
+Aggregation (the paper's rule, generalised by weights). Parameters fall in groups (mecefo.model.group_of):
+attention of layer l (projections and their RMSNorm), FFN of layer l (projections and their RMSNorm),
+embedding, head, final norm. For each group G,
         g_G = sum_{pieces p giving G a gradient} w_p grad_G(loss_p)  /  sum_{those pieces} w_p.
 With MeCeFO (neighbours skip attention on both their micro-batches) this is the paper's
 G_l = (1/|N_l|) sum_{i in N_l} G_{i,l} for attention, N_l the ranks neither failed nor neighbours, and the
 average over all n micro-batches for every other parameter. When no piece gives a group a gradient
 (N_l empty), that group gets no gradient and the optimizer leaves it unchanged for the step.
-
-Policies, on the same failure schedule:
-  mecefo              a neighbour computes its own and the failed rank's micro-batch with `techniques`
-                      (default: skip_attention + recompute_ffn + low_rank_wgrad)
-  ndb-exact           the same, exactly (the quality upper bound, at 2x the neighbour's cost)
-  drop                the failed ranks' samples are skipped (torchft); the survivors' gradients averaged
-  spread              the failed micro-batch split evenly over all survivors, exact (ReCycle-like)
-  spread-mecefo       split over survivors, each applying `techniques` to its extra share only (ours)
-  checkpoint-restart  every rank computes; each new failure rolls back to the last checkpoint (every
-                      `restart_every` steps) and replays, assuming spare nodes replace the failed ones
 """
 
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from .errors import TrainingStopped, UsageError
-from .neighbour import MECEFO, LowRankWgrad, Neighbour, Techniques, ffn_linears
-
-POLICIES = ("mecefo", "ndb-exact", "drop", "spread", "spread-mecefo", "checkpoint-restart")
-NORMAL = Techniques()
+from . import policies
+from .checkpoint import Component
+from .errors import UsageError
+from .model import ffn_linears, group_of
+from .neighbour import LowRankWgrad, Neighbour, Techniques
+from .plan import NORMAL, Piece, StepPlan
 
 
 @dataclass(frozen=True)
@@ -49,14 +33,14 @@ class ClusterConfig:
     backend: str = "local"  # local (simulated ranks in one process) | torch (torchrun, gloo / nccl)
     shard: str = "none"  # torch backend: none (every rank holds the whole model) | fsdp (FSDP2 over the DP group)
     failures: str = "none"  # none | low | mid | high | custom:<interval_h>:<recovery_h> | path/to/trace.csv
-    policy: str = "mecefo"  # see POLICIES
+    policy: str = "mecefo"  # a registered policy (mecefo.policies.trainer_policies())
     techniques: str = "mecefo"  # what mecefo's neighbours / spread-mecefo's extra shares apply
     seconds_per_step: float = 44.0  # maps the scenarios' hours to steps (see README)
     recovery: str = "fixed"  # fixed | exponential
     failable: str = ""  # asymmetric mode: comma-separated ranks that can fail ("" = all)
     all_down: str = "skip"  # skip (log and skip the step) | error
     restart_every: int = 50  # checkpoint-restart: steps between checkpoints
-    low_rank: float = 0.125  # r of low_rank_wgrad (>= 1 absolute, < 1 a fraction of min(m, n))
+    r: float = 0.125  # low-rank width of low_rank_wgrad (>= 1 absolute, < 1 a fraction of min(m, n))
     low_rank_tau: int = 50  # optimizer steps between SVD refreshes of V1
     low_rank_svd: str = "auto"  # exact | randomized | auto (randomized when min(m, n) > 1024)
     failure_seed: int = -1  # seed of the failure process (-1: the training seed)
@@ -73,8 +57,7 @@ class ClusterConfig:
             raise UsageError("cluster.shard='fsdp' needs cluster.backend='torch' (torchrun)")
         if self.low_rank_svd not in ("exact", "randomized", "auto"):
             raise UsageError(f"cluster.low_rank_svd={self.low_rank_svd!r}; allowed: 'exact', 'randomized', 'auto'")
-        if self.policy not in POLICIES:
-            raise UsageError(f"cluster.policy={self.policy!r}; allowed: {', '.join(POLICIES)}")
+        policies.get(self.policy, trainer=True).validate(self)
         try:
             Techniques.parse(self.techniques)
         except ValueError as e:
@@ -83,8 +66,8 @@ class ClusterConfig:
             raise UsageError(f"cluster.seconds_per_step={self.seconds_per_step} must be positive")
         if self.all_down not in ("skip", "error"):
             raise UsageError(f"cluster.all_down={self.all_down!r}; allowed: 'skip', 'error'")
-        if self.restart_every < 1 or self.low_rank_tau < 1 or self.low_rank <= 0:
-            raise UsageError("cluster.restart_every, cluster.low_rank_tau and cluster.low_rank must be positive")
+        if self.restart_every < 1 or self.low_rank_tau < 1 or self.r <= 0:
+            raise UsageError("cluster.restart_every, cluster.low_rank_tau and cluster.r must be positive")
         self.failable_ranks()
 
     def failable_ranks(self) -> tuple[int, ...] | None:
@@ -97,108 +80,6 @@ class ClusterConfig:
         if any(not 0 <= r < self.ranks for r in ranks):
             raise UsageError(f"cluster.failable={self.failable!r} must name ranks in 0..{self.ranks - 1}")
         return ranks
-
-
-def assign_neighbours(failed: frozenset[int], n: int) -> dict[int, int]:
-    """failed rank -> the alive rank that computes its micro-batch (see the module docstring)."""
-    alive = [r for r in range(n) if r not in failed]
-    if not alive:
-        return {}
-    load = {r: 0 for r in alive}
-    out = {}
-    for j in sorted(failed):
-        ring = [(j + k) % n for k in range(1, n) if (j + k) % n in load]
-        choice = min(ring, key=lambda r: (load[r], ring.index(r)))
-        out[j] = choice
-        load[choice] += 1
-    return out
-
-
-@dataclass(frozen=True)
-class Piece:
-    owner: int  # whose micro-batch (its data address)
-    micro: int  # which gradient-accumulation micro-batch of the owner
-    start: int  # rows [start, stop) of that micro-batch
-    stop: int
-    batch: int  # rows of a whole micro-batch
-    techniques: Techniques = NORMAL
-
-    @property
-    def weight(self) -> float:
-        return (self.stop - self.start) / self.batch
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    step: int
-    failed: frozenset[int]
-    neighbours: dict[int, int]
-    pieces: dict[int, tuple[Piece, ...]]  # computing rank -> its pieces (failed ranks compute nothing)
-    skipped: bool = False
-
-    def counts(self, n_layers: int) -> dict[str, float]:
-        """Sum of piece weights giving each parameter group a gradient."""
-        out = {"other": 0.0} | {f"attention.{l}": 0.0 for l in range(n_layers)} | {f"ffn.{l}": 0.0 for l in range(n_layers)}
-        for pieces in self.pieces.values():
-            for p in pieces:
-                out["other"] += p.weight
-                for l in range(n_layers):
-                    out[f"attention.{l}"] += 0.0 if p.techniques.skip_attention else p.weight
-                    out[f"ffn.{l}"] += 0.0 if p.techniques.skip_ffn else p.weight
-        return out
-
-    def samples(self) -> int:
-        return sum(p.stop - p.start for pieces in self.pieces.values() for p in pieces)
-
-
-def group_of(param_name: str) -> str:
-    """'layers.3.attention.q_proj.weight' -> 'attention.3'; '...ffn_norm.weight' -> 'ffn.3'; else 'other'."""
-    parts = param_name.split(".")
-    if parts[0] == "layers":
-        if parts[2].startswith("attention"):
-            return f"attention.{parts[1]}"
-        if parts[2].startswith("ffn"):
-            return f"ffn.{parts[1]}"
-    return "other"
-
-
-def plan_step(policy: str, step: int, failed: frozenset[int], n: int, accum: int, batch: int,
-              techniques: Techniques = MECEFO, all_down: str = "skip") -> StepPlan:
-    """Who computes which rows of whose micro-batches at this step, under `policy`."""
-    if policy == "checkpoint-restart":
-        failed = frozenset()  # spare nodes replace failed ones after the restart (the cost is the replay)
-    alive = [r for r in range(n) if r not in failed]
-    if not alive:
-        if all_down == "error":
-            raise TrainingStopped(f"step {step + 1}: all {n} ranks are down (cluster.all_down='error')")
-        return StepPlan(step, failed, {}, {}, skipped=True)
-    whole = lambda owner, t: tuple(Piece(owner, m, 0, batch, batch, t) for m in range(accum))  # noqa: E731
-    pieces = {r: whole(r, NORMAL) for r in alive}
-    neighbours: dict[int, int] = {}
-    if policy in ("mecefo", "ndb-exact") and failed:
-        neighbours = assign_neighbours(failed, n)
-        t = techniques if policy == "mecefo" else NORMAL
-        for j, nb in neighbours.items():  # the neighbour's own micro-batch gets the techniques too
-            pieces[nb] = tuple(replace(p, techniques=t) for p in pieces[nb]) + whole(j, t)
-    elif policy in ("spread", "spread-mecefo") and failed:
-        t = techniques if policy == "spread-mecefo" else NORMAL
-        bounds = np.linspace(0, batch, len(alive) + 1).round().astype(int)
-        for j in sorted(failed):
-            for i, r in enumerate(alive):
-                lo, hi = int(bounds[i]), int(bounds[i + 1])
-                if hi > lo:
-                    pieces[r] = pieces[r] + tuple(Piece(j, m, lo, hi, batch, t) for m in range(accum))
-    return StepPlan(step, failed, neighbours, pieces)
-
-
-def rank_flops(plan: StepPlan, piece_flops, apply_flops: int) -> dict[int, int]:
-    """FLOPs each computing rank does this step; piece_flops(rows, techniques) gives one piece's
-    forward+backward, apply_flops the once-per-step V1^T product of a rank using low_rank_wgrad."""
-    out = {}
-    for rank, pieces in plan.pieces.items():
-        out[rank] = sum(piece_flops(p.stop - p.start, p.techniques) for p in pieces)
-        out[rank] += apply_flops if any(p.techniques.low_rank_wgrad for p in pieces) else 0
-    return out
 
 
 # ---------------------------------------------------------------------------------------------- backends
@@ -223,7 +104,7 @@ class _Common:
     def prepare(self, plan: StepPlan, computing: bool = True) -> None:
         """Refresh V1 (once per tau-step epoch) at a step where some rank uses low_rank_wgrad: every rank
         does it at the same step from the same weights, so all ranks hold the same subspaces."""
-        if computing and any(p.techniques.low_rank_wgrad for ps in plan.pieces.values() for p in ps):
+        if computing and plan.uses("low_rank_wgrad"):
             self.lowrank.prepare(self.model)
 
     def neighbour(self, t: Techniques) -> Neighbour | None:
@@ -254,13 +135,10 @@ class _Common:
 
     every_rank_evaluates = False  # True where a forward pass is collective (FSDP)
 
-    def full_state(self, optimizer) -> tuple[dict, dict]:
-        """(model state_dict, optimizer state_dict) to write into a checkpoint (whole tensors)."""
-        return self.model.state_dict(), optimizer.state_dict()
-
-    def load_full_state(self, model_state: dict, optimizer_state: dict, optimizer) -> None:
-        self.model.load_state_dict(model_state)
-        optimizer.load_state_dict(optimizer_state)
+    def components(self, optimizer) -> dict[str, Component]:
+        """The model and the optimizer as checkpoint components (whole tensors; mecefo.checkpoint)."""
+        return {"model": Component(self.model.state_dict, self.model.load_state_dict),
+                "optimizer": Component(optimizer.state_dict, optimizer.load_state_dict)}
 
     def agreement(self) -> dict:
         """Whether the ranks hold the same state (one process: trivially)."""
@@ -338,11 +216,11 @@ class TorchCluster(_Common):
         with torch.no_grad():
             for p in self.model.parameters():
                 self.dist.broadcast(p.data, src)
-        payload = [(optimizer.state_dict(), self.lowrank.state_dict(self.model)) if self.rank == src else None]
+        payload = [(optimizer.state_dict(), self.lowrank.state_dict()) if self.rank == src else None]
         self.dist.broadcast_object_list(payload, src=src, device=self.device if self.device.type == "cuda" else None)
         if self.rank != src:
             optimizer.load_state_dict(payload[0][0])
-            self.lowrank.load_state_dict(payload[0][1], self.model)
+            self.lowrank.load_state_dict(payload[0][1])
 
     def sync_for_io(self, failed: frozenset[int], optimizer) -> None:
         """Before rank 0 evaluates or writes a checkpoint: give it the current state if it has none."""
@@ -440,12 +318,12 @@ class ShardedCluster(TorchCluster):
 
     @torch.no_grad()
     def _finish_low_rank(self, plan: StepPlan) -> None:
-        if not any(p.techniques.low_rank_wgrad or p.techniques.low_rank_head for ps in plan.pieces.values() for p in ps):
+        if not (plan.uses("low_rank_wgrad") or plan.uses("low_rank_head")):
             return
         from torch.distributed.tensor import distribute_tensor
 
         linears = [m for m in ffn_linears(self.model)]
-        if any(p.techniques.low_rank_head for ps in plan.pieces.values() for p in ps):
+        if plan.uses("low_rank_head"):
             linears.append(self.model.lm_head)
         pending = self.lowrank.pending
         factors = [pending.pop(m, None) for m in linears]
@@ -461,22 +339,16 @@ class ShardedCluster(TorchCluster):
             g = self.lowrank.gradient(m, factor).to(grad.dtype)
             grad.add_(distribute_tensor(g, grad.device_mesh, grad.placements, src_data_rank=None))
 
-    def full_state(self, optimizer) -> tuple[dict, dict]:
-        """Whole tensors gathered onto rank 0's CPU (a collective; the other ranks receive empty dicts)."""
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                             get_optimizer_state_dict)
+    def components(self, optimizer) -> dict[str, Component]:
+        """Whole tensors gathered onto rank 0's CPU (a collective; the other ranks get empty dicts), and
+        scattered back into the shards on load."""
+        from torch.distributed.checkpoint import state_dict as dcp
 
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return (get_model_state_dict(self.model, options=options),
-                get_optimizer_state_dict(self.model, optimizer, options=options))
-
-    def load_full_state(self, model_state: dict, optimizer_state: dict, optimizer) -> None:
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                             set_optimizer_state_dict)
-
-        options = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(self.model, model_state, options=options)
-        set_optimizer_state_dict(self.model, optimizer, optimizer_state, options=options)
+        gather, scatter = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True), dcp.StateDictOptions(full_state_dict=True)
+        return {"model": Component(lambda: dcp.get_model_state_dict(self.model, options=gather),
+                                   lambda s: dcp.set_model_state_dict(self.model, s, options=scatter)),
+                "optimizer": Component(lambda: dcp.get_optimizer_state_dict(self.model, optimizer, options=gather),
+                                       lambda s: dcp.set_optimizer_state_dict(self.model, optimizer, s, options=scatter))}
 
     def agreement(self) -> dict:
         """Every rank holds the same V1 (the parameters are shards: each rank's are its own)."""
@@ -501,15 +373,3 @@ def shard_model(model: torch.nn.Module, device: torch.device) -> None:
     for module in [*model.layers, model]:
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no pre-multiplied sum
-
-
-def snapshot(model: torch.nn.Module, optimizer) -> dict:
-    """An in-memory checkpoint (checkpoint-restart)."""
-    return {"model": copy.deepcopy(model.state_dict()), "optimizer": copy.deepcopy(optimizer.state_dict())}
-
-
-def restore(model: torch.nn.Module, optimizer, snap: dict) -> None:
-    """Back to the snapshot; copies, because load_state_dict keeps the optimizer's state tensors as given
-    and training would then advance the snapshot itself (a second rollback to it would be wrong)."""
-    model.load_state_dict(snap["model"])
-    optimizer.load_state_dict(copy.deepcopy(snap["optimizer"]))

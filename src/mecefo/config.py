@@ -107,6 +107,9 @@ class Config:
         return stable_hash(d)
 
 
+RENAMED = {"low_rank": "r"}  # old key -> new key, refused with a message naming the new one
+
+
 def _sections() -> dict[str, type]:
     return {f.name: f.default_factory for f in fields(Config)}
 
@@ -144,6 +147,9 @@ def build(values: dict[str, dict]) -> Config:
         given = dict(values.get(section, {}))
         types = _field_types(cls)
         unknown = sorted(set(given) - set(types))
+        for old in unknown:
+            if old in RENAMED:
+                raise UsageError(f"config key {section}.{old} was renamed: use {section}.{RENAMED[old]} (--{RENAMED[old]})")
         if unknown:
             raise UsageError(f"unknown config key {section}.{unknown[0]}; allowed in [{section}]: {', '.join(types)}")
         kwargs[section] = cls(**{k: _convert(section, k, types[k], v) for k, v in given.items()})
@@ -171,6 +177,8 @@ def load(path: str | Path | None, overrides: dict[str, str] | None = None) -> Co
     for key, value in (overrides or {}).items():
         section, _, name = key.rpartition(".")
         if not section:
+            if name in RENAMED:
+                raise UsageError(f"option --{name} was renamed: use --{RENAMED[name]}")
             if name not in owner:
                 raise UsageError(f"unknown option --{key}; allowed: {', '.join('--' + n for n in owner)}")
             section = owner[name]

@@ -48,22 +48,22 @@ class Shape:
         return self.batch * self.seq_len
 
 
-def ffn_matrices(cfg: ModelConfig, rank: float) -> list[tuple[int, int, int]]:
+def ffn_matrices(cfg: ModelConfig, r: float) -> list[tuple[int, int, int]]:
     """(m, n, r) of the gate, up and down projections (W is m x n, V1 is n x r)."""
     f, d = cfg.ffn_dim, cfg.dim
-    return [(m, n, resolve_rank(rank, m, n)) for m, n in ((f, d), (f, d), (d, f))]
+    return [(m, n, resolve_rank(r, m, n)) for m, n in ((f, d), (f, d), (d, f))]
 
 
-def analytic_flops(cfg: ModelConfig, shape: Shape, techniques: Techniques, rank: float = 0.125) -> dict[str, int]:
+def analytic_flops(cfg: ModelConfig, shape: Shape, techniques: Techniques, r: float = 0.125) -> dict[str, int]:
     """Closed-form FLOPs of one micro-batch's forward and backward (see the module docstring).
     Returns per-layer 'attention' and 'ffn', model-level 'head', the per-step 'wgrad_apply' and 'total'
     (one micro-batch plus one wgrad_apply)."""
     n, t, d, f, v = shape.tokens, shape.seq_len, cfg.dim, cfg.ffn_dim, cfg.vocab_size
     a_f, a_b = 8 * n * d * d + 4 * n * t * d, 16 * n * d * d + 8 * n * t * d
     attention = a_f + (0 if techniques.skip_attention else a_b)
-    mats = ffn_matrices(cfg, rank)
-    lowrank_fwd = sum(2 * n * cols * r for _, cols, r in mats)  # x V1
-    lowrank_factor = sum(2 * n * rows * r for rows, _, r in mats)  # G_y^T (x V1)
+    mats = ffn_matrices(cfg, r)
+    lowrank_fwd = sum(2 * n * cols * w for _, cols, w in mats)  # x V1
+    lowrank_factor = sum(2 * n * rows * w for rows, _, w in mats)  # G_y^T (x V1)
     if techniques.skip_ffn:
         ffn = 6 * n * d * f
     elif techniques.low_rank_wgrad:
@@ -72,10 +72,10 @@ def analytic_flops(cfg: ModelConfig, shape: Shape, techniques: Techniques, rank:
             ffn += 6 * n * d * f + lowrank_fwd
     else:
         ffn = 18 * n * d * f + (4 * n * d * f if techniques.recompute_ffn else 0)
-    wgrad_apply = cfg.n_layers * sum(2 * r * rows * cols for rows, cols, r in mats) if techniques.low_rank_wgrad else 0
+    wgrad_apply = cfg.n_layers * sum(2 * w * rows * cols for rows, cols, w in mats) if techniques.low_rank_wgrad else 0
     head = 6 * n * d * v
     if techniques.low_rank_head:
-        rh = resolve_rank(rank, v, d)
+        rh = resolve_rank(r, v, d)
         head = 2 * n * d * v + 2 * n * d * rh + 2 * n * d * v + 2 * n * v * rh
         wgrad_apply += 2 * rh * v * d
     total = cfg.n_layers * (attention + ffn) + head + wgrad_apply
@@ -96,13 +96,13 @@ def _meta_model(cfg: ModelConfig) -> GPT:
         return GPT(cfg)
 
 
-def counted_flops(cfg: ModelConfig, shape: Shape, techniques: Techniques, rank: float = 0.125,
+def counted_flops(cfg: ModelConfig, shape: Shape, techniques: Techniques, r: float = 0.125,
                   model: GPT | None = None) -> dict[str, int]:
     """FlopCounterMode's count of one micro-batch's forward + backward (+ the per-step wgrad apply),
     on the meta device, with the same keys as analytic_flops."""
     model = model or _meta_model(cfg)
     idx = torch.zeros(shape.batch, shape.seq_len, dtype=torch.long, device="meta")
-    neighbour = None if techniques == Techniques() else Neighbour(techniques, LowRankWgrad(r=rank, svd="exact"))
+    neighbour = None if techniques == Techniques() else Neighbour(techniques, LowRankWgrad(r=r, svd="exact"))
     with FlopCounterMode(display=False) as counter:
         model(idx, idx, neighbour=neighbour).backward()
     with FlopCounterMode(display=False) as apply_counter:
@@ -118,7 +118,7 @@ def counted_flops(cfg: ModelConfig, shape: Shape, techniques: Techniques, rank: 
             "total": counter.get_total_flops() + apply_counter.get_total_flops()}
 
 
-def saved_activation_bytes(cfg: ModelConfig, shape: Shape, techniques: Techniques, rank: float = 0.125,
+def saved_activation_bytes(cfg: ModelConfig, shape: Shape, techniques: Techniques, r: float = 0.125,
                            model: GPT | None = None, dtype: torch.dtype = torch.float32) -> int:
     """Bytes kept for backward by one micro-batch: saved tensors once per storage, parameters excluded,
     plus checkpoint-held inputs. Counted on the meta device in `dtype`."""
@@ -135,7 +135,7 @@ def saved_activation_bytes(cfg: ModelConfig, shape: Shape, techniques: Technique
         return t
 
     idx = torch.zeros(shape.batch, shape.seq_len, dtype=torch.long, device="meta")
-    neighbour = None if techniques == Techniques() else Neighbour(techniques, LowRankWgrad(r=rank, svd="exact"))
+    neighbour = None if techniques == Techniques() else Neighbour(techniques, LowRankWgrad(r=r, svd="exact"))
     held: list[torch.Tensor] = []
     if neighbour is not None:
         neighbour.held = held
@@ -148,7 +148,7 @@ def saved_activation_bytes(cfg: ModelConfig, shape: Shape, techniques: Technique
 
 
 def peak_memory(cfg: ModelConfig, shape: Shape, techniques: Techniques, micro_batches: int = 1,
-                rank: float = 0.125) -> dict[str, int]:
+                r: float = 0.125) -> dict[str, int]:
     """Peak bytes by category (parameters, gradients, activations, temporaries, optimizer states) of one
     AdamW step over `micro_batches` sequential micro-batches, tracked by torch's MemTracker under
     FakeTensorMode (fp32; no real memory is used). The optimizer states exist before the tracked step."""
@@ -163,7 +163,7 @@ def peak_memory(cfg: ModelConfig, shape: Shape, techniques: Techniques, micro_ba
         opt.step()
         opt.zero_grad(set_to_none=True)
         idx = torch.zeros(shape.batch, shape.seq_len, dtype=torch.long)
-        neighbour = None if techniques == Techniques() else Neighbour(techniques, LowRankWgrad(r=rank, svd="exact"))
+        neighbour = None if techniques == Techniques() else Neighbour(techniques, LowRankWgrad(r=r, svd="exact"))
         tracker = MemTracker()
         tracker.track_external(model, opt)
         with tracker:
@@ -182,15 +182,15 @@ def peak_memory(cfg: ModelConfig, shape: Shape, techniques: Techniques, micro_ba
     return out
 
 
-def neighbour_step_flops(cfg: ModelConfig, shape: Shape, techniques: Techniques, rank: float = 0.125,
+def neighbour_step_flops(cfg: ModelConfig, shape: Shape, techniques: Techniques, r: float = 0.125,
                          micro_batches: int = 2) -> int:
     """A neighbour's step: its own and the failed rank's micro-batches in one mode, wgrad applied once."""
-    per = analytic_flops(cfg, shape, techniques, rank)
+    per = analytic_flops(cfg, shape, techniques, r)
     return micro_batches * (per["total"] - per["wgrad_apply"]) + per["wgrad_apply"]
 
 
 def training_memory(cfg: ModelConfig, shape: Shape, ranks: int = 1, shard: str = "none",
-                    techniques: Techniques = Techniques(), rank: float = 0.125) -> dict[str, int]:
+                    techniques: Techniques = Techniques(), r: float = 0.125) -> dict[str, int]:
     """Bytes one GPU needs for one rank's training step (fp32 parameters, fp32 AdamW, bf16 autocast):
         static    parameters 4P + gradients 4P + AdamW moments 8P, each divided by n under shard='fsdp'
         gathered  (fsdp) the whole-tensor copies FSDP2 holds at once: the root unit (embedding, LM head,
@@ -210,9 +210,9 @@ def training_memory(cfg: ModelConfig, shape: Shape, ranks: int = 1, shard: str =
     out["gathered"] = 4 * (2 * cfg.vocab_size * cfg.dim + cfg.dim) + 2 * 2 * 4 * block if shard == "fsdp" else 0
     out["bases"] = 0
     if techniques.low_rank_wgrad:
-        out["bases"] = cfg.n_layers * sum(4 * n * r for _, n, r in ffn_matrices(cfg, rank))
-    out["activations"] = max(saved_activation_bytes(cfg, shape, Techniques(), rank),
-                             saved_activation_bytes(cfg, shape, techniques, rank))
+        out["bases"] = cfg.n_layers * sum(4 * n * w for _, n, w in ffn_matrices(cfg, r))
+    out["activations"] = max(saved_activation_bytes(cfg, shape, Techniques(), r),
+                             saved_activation_bytes(cfg, shape, techniques, r))
     out["total"] = sum(out.values())
     return out
 

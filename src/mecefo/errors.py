@@ -8,7 +8,16 @@ class UsageError(Exception):
     """One line saying which input is wrong and what is allowed."""
 
 
-
-
 class TrainingStopped(RuntimeError):
     """One line naming the step at which training could not go on, and why."""
+
+
+def guarded(main):
+    """Run a CLI's main(); a UsageError becomes a one-line message and exit status 2."""
+    import sys
+
+    try:
+        return main()
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

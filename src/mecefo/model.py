@@ -5,7 +5,11 @@ Each block is pre-norm:  h = x + Attention(RMSNorm(x));  out = h + FFN(RMSNorm(h
 No biases anywhere; the LM head is not tied to the embedding.
 
 `Block.attention` and `Block.ffn` are separate submodules with stable names: the MeCeFO neighbour
-techniques (mecefo.neighbour) address them per micro-batch.
+techniques (mecefo.neighbour) wrap the block's two sublayers per micro-batch, reusing their forward.
+
+The model's structure is stated here once, for the aggregation rule, the neighbour, the cost accounting
+and the analysis: `group_of` maps a parameter to its group (attention of layer l with its RMSNorm, FFN of
+layer l with its RMSNorm, embedding, head, final norm) and `ffn_linears` lists the FFN matrices.
 """
 
 from __future__ import annotations
@@ -119,7 +123,8 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU:  down( silu(gate(x)) * up(x) )."""
+    """SwiGLU:  down( silu(gate(x)) * up(x) ).  `project(linear, x)`, when given, computes each projection
+    in place of linear(x) (the neighbour's low-rank weight gradient)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -127,8 +132,10 @@ class FeedForward(nn.Module):
         self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, project=None) -> torch.Tensor:
+        if project is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return project(self.down_proj, F.silu(project(self.gate_proj, x)) * project(self.up_proj, x))
 
 
 class Block(nn.Module):
@@ -139,11 +146,19 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn = FeedForward(cfg)
 
+    def attention_sublayer(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self.attention(self.attention_norm(x), cos, sin)
+
+    def ffn_sublayer(self, h: torch.Tensor, project=None) -> torch.Tensor:
+        return self.ffn(self.ffn_norm(h), project)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neighbour=None) -> torch.Tensor:
-        if neighbour is not None:  # a MeCeFO neighbour's micro-batch (mecefo.neighbour)
-            return neighbour.block(self, x, cos, sin)
-        h = x + self.attention(self.attention_norm(x), cos, sin)
-        return h + self.ffn(self.ffn_norm(h))
+        if neighbour is None:
+            h = x + self.attention(self.attention_norm(x), cos, sin)
+            return h + self.ffn(self.ffn_norm(h))
+        # a MeCeFO neighbour's micro-batch (mecefo.neighbour): the same sublayers, wrapped
+        h = x + neighbour.attention(self.attention_sublayer, x, cos, sin)
+        return h + neighbour.ffn(self.ffn_sublayer, h)
 
 
 class GPT(nn.Module):
@@ -185,3 +200,32 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+GROUP_KINDS = ("attention", "ffn", "embedding", "head", "norm")
+FFN_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def group_of(param_name: str) -> str:
+    """The parameter group of a parameter of GPT, the unit of MeCeFO's aggregation rule:
+    'attention.<l>' (q, k, v, o projections of layer l and its attention RMSNorm), 'ffn.<l>' (gate, up, down
+    and the FFN RMSNorm), 'embedding', 'head' (the LM head) or 'norm' (the final RMSNorm)."""
+    parts = param_name.split(".")
+    if parts[0] == "layers":
+        return f"{'attention' if parts[2].startswith('attention') else 'ffn'}.{parts[1]}"
+    return {"embedding": "embedding", "lm_head": "head", "norm": "norm"}[parts[0]]
+
+
+def group_kind(group: str) -> str:
+    """'attention.3' -> 'attention'; one of GROUP_KINDS."""
+    return group.split(".")[0]
+
+
+def groups(n_layers: int) -> list[str]:
+    """Every group of a model with n_layers layers, in parameter order."""
+    return ["embedding"] + [f"{k}.{l}" for l in range(n_layers) for k in ("attention", "ffn")] + ["norm", "head"]
+
+
+def ffn_linears(model: nn.Module) -> list[nn.Linear]:
+    """The FFN projections (gate, up, down) of every layer, in order: the matrices low_rank_wgrad applies to."""
+    return [getattr(layer.ffn, name) for layer in model.layers for name in FFN_PROJECTIONS]

@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .model import ffn_linears
+
 TECHNIQUES = ("skip_attention", "recompute_ffn", "low_rank_wgrad", "skip_ffn", "low_rank_head")
 
 
@@ -55,6 +57,11 @@ class Techniques:
         if unknown:
             raise ValueError(f"unknown technique {unknown[0]!r}; allowed: {', '.join(TECHNIQUES)}, mecefo, normal")
         return cls(**{n: True for n in names})
+
+    def trains(self, kind: str) -> bool:
+        """Whether a micro-batch under these techniques gives a group of this kind (mecefo.model.GROUP_KINDS)
+        a gradient: attention not under skip_attention, FFN not under skip_ffn, everything else always."""
+        return not ((kind == "attention" and self.skip_attention) or (kind == "ffn" and self.skip_ffn))
 
     @property
     def names(self) -> str:
@@ -172,16 +179,17 @@ class LowRankWgrad:
         for linear in ffn_linears(model):
             self.basis(linear)
 
-    def state_dict(self, model: torch.nn.Module) -> dict:
-        """Step count and cached subspaces by module name (to hand to a recovering rank)."""
-        names = {mod: n for n, mod in model.named_modules()}
-        return {"steps": self.steps, "bases": {names[m]: (v.cpu(), e) for m, (v, e) in self._basis.items()}}
+    def state_dict(self) -> dict:
+        """Step count and cached subspaces (with their epoch) by module name (bind() first)."""
+        return {"steps": self.steps, "bases": {self._names[m]: (v.cpu(), e) for m, (v, e) in self._basis.items()}}
 
-    def load_state_dict(self, state: dict, model: torch.nn.Module) -> None:
-        modules = dict(model.named_modules())
-        device = next(model.parameters()).device
+    def load_state_dict(self, state: dict) -> None:
+        modules = {name: m for m, name in self._names.items()}
         self.steps = state["steps"]
-        self._basis = {modules[n]: (v.to(device), e) for n, (v, e) in state["bases"].items()}
+        self._basis = {}
+        for name, (v, e) in state["bases"].items():
+            m = modules[name]
+            self._basis[m] = (v.to(next(m.parameters()).device), e)
 
     def add(self, linear: torch.nn.Module, factor: torch.Tensor) -> None:
         pending = self._pending.get(linear)
@@ -203,11 +211,6 @@ class LowRankWgrad:
             g = self.gradient(linear, factor).to(weight.dtype)
             weight.grad = g if weight.grad is None else weight.grad.add_(g)
         self._pending.clear()
-
-
-def ffn_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
-    """The FFN projections (gate, up, down) of every layer: the matrices low_rank_wgrad applies to."""
-    return [m for name, m in model.named_modules() if ".ffn." in name and name.endswith("_proj")]
 
 
 def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
@@ -257,36 +260,32 @@ class Neighbour:
         self.techniques, self.lowrank = techniques, lowrank
         self.held: list[torch.Tensor] | None = None  # set by costs.py to see the tensors checkpoint keeps
 
-    def linear(self, linear: torch.nn.Linear, x: torch.Tensor, low_rank: bool) -> torch.Tensor:
-        return low_rank_linear(linear, x, self.lowrank) if low_rank else linear(x)
+    def project(self, linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """One FFN projection under low_rank_wgrad (FeedForward's `project` hook)."""
+        return low_rank_linear(linear, x, self.lowrank)
 
-    def ffn(self, block, h: torch.Tensor) -> torch.Tensor:
-        """FFN(RMSNorm(h)), SwiGLU written out so that each projection can take the low-rank estimator."""
-        x = block.ffn_norm(h)
-        lr, ffn = self.techniques.low_rank_wgrad, block.ffn
-        a = F.silu(self.linear(ffn.gate_proj, x, lr)) * self.linear(ffn.up_proj, x, lr)
-        return self.linear(ffn.down_proj, a, lr)
-
-    def block(self, block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        t = self.techniques
-        if t.skip_attention:
+    def attention(self, sublayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Attention(RMSNorm(x)) of the block; under skip_attention forward only (no_grad)."""
+        if self.techniques.skip_attention:
             with torch.no_grad():
-                a = block.attention(block.attention_norm(x), cos, sin)
-            h = x + a
-        else:
-            h = x + block.attention(block.attention_norm(x), cos, sin)
+                return sublayer(x, cos, sin)
+        return sublayer(x, cos, sin)
+
+    def ffn(self, sublayer, h: torch.Tensor) -> torch.Tensor:
+        """FFN(RMSNorm(h)) of the block: low-rank projections, recomputed in backward, or forward only."""
+        t = self.techniques
+        project = self.project if t.low_rank_wgrad else None
         if t.skip_ffn:
             with torch.no_grad():
-                f = self.ffn(block, h)
-            return h + f
+                return sublayer(h, project)
         if t.recompute_ffn and torch.is_grad_enabled():
             if self.held is not None:
                 self.held.append(h)
-            return h + checkpoint(self.ffn, block, h, use_reentrant=False)
-        return h + self.ffn(block, h)
+            return checkpoint(sublayer, h, project, use_reentrant=False)
+        return sublayer(h, project)
 
     def head(self, lm_head: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(lm_head, x, self.techniques.low_rank_head)
+        return low_rank_linear(lm_head, x, self.lowrank) if self.techniques.low_rank_head else lm_head(x)
 
     def finish(self) -> None:
         """Apply pending low-rank weight gradients; call once after the step's last backward."""

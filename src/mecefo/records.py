@@ -61,3 +61,8 @@ def package_versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             pass
     return versions
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The rows of a JSON-lines file (metrics.jsonl)."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line]

@@ -14,28 +14,29 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 import math
 import os
-import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
+from . import checkpoint, failures, policies
 from . import config as config_mod
-from . import failures
-from .cluster import LocalCluster, ShardedCluster, TorchCluster, plan_step, rank_flops, restore, shard_model, snapshot
+from .cluster import LocalCluster, ShardedCluster, TorchCluster, shard_model
 from .config import Config
 from .costs import Shape, analytic_flops
 from .data import TokenData
 from .errors import TrainingStopped, UsageError
 from .model import GPT, count_parameters, preset
 from .neighbour import LowRankWgrad, Techniques
+from .plan import rank_flops
 from .records import atomic_write_json, git_commit, package_versions
 
 
@@ -101,37 +102,6 @@ def evaluate(model: GPT, data: TokenData, split: str, device: torch.device, prec
     return total / rows
 
 
-def _rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-
-
-def save_checkpoint(path: Path, step: int, cfg: Config, model_state: dict, optimizer_state: dict, **state) -> None:
-    """Model, optimizer, RNG states and the data position (the step: batches are a pure function of it),
-    plus `state`: wall time, checkpoint-restart's in-memory checkpoint and replay count, the run's counters,
-    the low-rank subspaces with their epoch. Written atomically."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save({"step": step, "config_hash": cfg.hash(), "model": model_state, "optimizer": optimizer_state,
-                "rng": _rng_state(), **state}, tmp)
-    os.replace(tmp, path)
-
-
-def _load_checkpoint(path: Path, cfg: Config) -> dict:
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:
-        raise UsageError(f"checkpoint {path} cannot be read ({type(e).__name__}); delete it to start over") from None
-    if ckpt.get("config_hash") != cfg.hash():
-        raise UsageError(f"checkpoint {path} belongs to another config (hash {ckpt.get('config_hash')} != "
-                         f"{cfg.hash()}); choose another --out")
-    return ckpt
-
-
 def _prepare_out(out: Path, cfg: Config, resume: bool) -> dict | None:
     """Decide what to do with an existing DIR: reuse a finished run, resume, or refuse to overwrite."""
     summary, ckpt = out / "summary.json", out / "checkpoint.pt"
@@ -144,7 +114,7 @@ def _prepare_out(out: Path, cfg: Config, resume: bool) -> dict | None:
     if resume and not ckpt.exists():
         raise UsageError(f"--resume given but {ckpt} does not exist")
     if ckpt.exists():
-        _load_checkpoint(ckpt, cfg)  # refuses another config's checkpoint before anything is touched
+        checkpoint.load(ckpt, cfg.hash())  # refuses another config's checkpoint before anything is touched
     elif out.exists() and any(out.iterdir()):
         started = out / "config.json"
         if not (started.exists() and json.loads(started.read_text()).get("config_hash") == cfg.hash()):
@@ -171,173 +141,212 @@ def _setup_backend(cfg: Config, device: torch.device) -> tuple[int, torch.device
     return dist.get_rank(), device
 
 
+@dataclass
+class Progress:
+    """The run's counters, a checkpoint component."""
+
+    wall_time_s: float = 0.0
+    tokens_trained: int = 0
+    skipped_steps: int = 0
+    furthest: int = 0  # the furthest step reached (a policy may send the run back)
+    last_loss: float | None = None
+
+    def state_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for k, v in state.items():
+            setattr(self, k, v)
+
+
+class Run:
+    """One training run: built from a config, it owns the model, optimizer, data, failure schedule,
+    policy, cluster backend and the run's files (see the module docstring)."""
+
+    def __init__(self, cfg: Config, out: Path, device: torch.device, main: bool, quiet: bool):
+        self.cfg, self.out, self.device, self.main, self.quiet = cfg, Path(out), device, main, quiet
+        cc, tc = cfg.cluster, cfg.train
+        self.data = _token_data(cfg, main)
+        self.model_cfg = preset(cfg.model.preset, vocab_size=self.data.vocab_size)
+        torch.manual_seed(tc.seed)
+        self.model = GPT(self.model_cfg).to(device)
+        if cc.shard == "fsdp":
+            shard_model(self.model, device)  # before the optimizer, which must see the shards
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.schedule = failures.resolve(cc.failures, cc.ranks, tc.steps, cc.seconds_per_step,
+                                         tc.seed if cc.failure_seed < 0 else cc.failure_seed, cc.recovery,
+                                         cc.failable_ranks())
+        self.policy = policies.get(cc.policy, trainer=True)(cc)
+        self.lowrank = LowRankWgrad(r=cc.r, tau=cc.low_rank_tau, svd=cc.low_rank_svd, seed=tc.seed).bind(self.model)
+        backend = LocalCluster if cc.backend == "local" else (ShardedCluster if cc.shard == "fsdp" else TorchCluster)
+        self.cluster = backend(self.model, self.data, tc.seed, device, self.lowrank,
+                               lambda: autocast(device, tc.precision), n_ranks=cc.ranks)
+        self.flops = _FlopModel(self.model_cfg, cfg.data, cc.r)
+        self.progress = Progress()
+        self.components = self.cluster.components(self.optimizer) | {
+            "rng": checkpoint.RNG(), "lowrank": self.lowrank, "policy": self.policy, "progress": self.progress}
+        self.tokens_per_step = cfg.data.micro_batch_size * cfg.data.seq_len * cfg.data.grad_accum * cc.ranks
+
+    def start(self) -> int:
+        """Resume from out/checkpoint.pt if there is one, else start afresh; returns the first step."""
+        ckpt_path, metrics_path = self.out / "checkpoint.pt", self.out / "metrics.jsonl"
+        start = 0
+        if ckpt_path.exists():
+            start = checkpoint.restore(checkpoint.load(ckpt_path, self.cfg.hash()), self.components)
+            if self.main:
+                _truncate_metrics(metrics_path, start)
+            _log(f"resuming {self.out} from step {start}", self.quiet)
+        elif self.main and metrics_path.exists():
+            metrics_path.unlink()
+        if self.main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(self.out / "config.json", {"config_hash": self.cfg.hash(), "config": self.cfg.to_dict()})
+        self.metrics = open(metrics_path, "a") if self.main else None
+        _log(_schedule_line(self.cfg, self.schedule), self.quiet)
+        if start == 0:
+            self.record({"step": 0, "val_loss": self.evaluate("val", frozenset()), "tokens_seen": 0})
+        return start
+
+    def record(self, row: dict) -> None:
+        if self.metrics:
+            self.metrics.write(json.dumps(row) + "\n")
+            self.metrics.flush()
+
+    def evaluate(self, split: str, failed: frozenset[int]) -> float | None:
+        self.cluster.sync_for_io(failed, self.optimizer)
+        if self.main or self.cluster.every_rank_evaluates:
+            return evaluate(self.model, self.data, split, self.device, self.cfg.train.precision)
+        return None
+
+    def save(self, step: int, failed: frozenset[int]) -> None:
+        self.cluster.sync_for_io(failed, self.optimizer)
+        states = checkpoint.gather(self.components)  # every rank: gathering FSDP shards is collective
+        if self.main:
+            checkpoint.save(self.out / "checkpoint.pt", step, self.cfg.hash(), states)
+
+    def step(self, step: int) -> tuple[dict, object]:
+        """Train step `step` (0-based) under the policy; returns its metrics row and plan."""
+        cc, dc = self.cfg.cluster, self.cfg.data
+        t0 = time.perf_counter()
+        plan = self.policy.plan(step, self.schedule.failed[step], cc.ranks, dc.grad_accum, dc.micro_batch_size, cc.all_down)
+        self.cluster.transition(plan, self.optimizer)
+        self.lowrank.steps = step
+        self.cluster.prepare(plan)
+        lr = self.cfg.optim.lr * lr_at(step, self.cfg.optim, self.cfg.train.steps)
+        exact = _failure_free_gradient(self.cluster, plan, self.cfg) if cc.track_grad_error and plan.failed and not plan.skipped else None
+        result = self.cluster.step(plan)
+        rel_error = _relative_error(self.model, exact) if exact is not None else None
+        loss = grad_norm = None
+        if not plan.skipped:
+            loss, grad_norm = result.loss, clip_gradients(self.model, self.cfg.optim.grad_clip)
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                raise TrainingStopped(f"step {step + 1}: non-finite training loss {loss} or gradient norm {grad_norm} "
+                                      f"(lr {lr:.3g}); nothing written for this step, the last checkpoint in "
+                                      f"{self.out} is kept")
+            self.progress.last_loss = loss
+        if self.cluster.updates(plan):
+            apply_update(self.optimizer, lr)
+        self.model.zero_grad(set_to_none=True)
+        p = self.progress
+        p.tokens_trained += result.samples * dc.seq_len
+        p.skipped_steps += plan.skipped
+        per_rank = self.flops.per_rank(plan)
+        row = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+               "tokens_seen": (step + 1) * self.tokens_per_step, "tokens_trained": p.tokens_trained,
+               "samples": result.samples, "tokens_per_s": result.samples * dc.seq_len / (time.perf_counter() - t0),
+               "failed": sorted(plan.failed), "neighbours": {str(j): nb for j, nb in plan.neighbours.items()},
+               "attention_ranks": plan.counts(1)["attention.0"] / dc.grad_accum, "skipped": plan.skipped,
+               "busiest_rank_flops": max(per_rank.values(), default=0) / self.flops.normal_rank,
+               "replayed_steps": self.policy.replayed_steps, "replay": step + 1 <= p.furthest, "grad_rel_error": rel_error}
+        p.furthest = max(p.furthest, step + 1)
+        return row, plan
+
+    def train(self, start: int, end: int) -> None:
+        """Steps start .. end - 1, with evaluation, logging and checkpoints on their cadence."""
+        tc = self.cfg.train
+        bar = tqdm(total=tc.steps, initial=start, desc=f"train {self.cfg.model.preset}", dynamic_ncols=True,
+                   disable=self.quiet or not sys.stderr.isatty())
+        t0, wall0, step, was_skipped = time.perf_counter(), self.progress.wall_time_s, start, False
+        while step < end:
+            back = self.policy.before_step(step, self.schedule, self.model, self.optimizer)
+            if back is not None:  # the policy sends the run back (checkpoint-restart's rollback)
+                step = back
+                continue
+            row, plan = self.step(step)
+            step += 1
+            self.policy.after_step(step, self.model, self.optimizer)
+            self.progress.wall_time_s = row["wall_time_s"] = wall0 + time.perf_counter() - t0
+            if step % tc.eval_every == 0 or step == tc.steps:
+                row["val_loss"] = self.evaluate("val", plan.failed)
+            self.record(row)
+            bar.update(1)
+            bar.set_postfix(loss="skipped" if plan.skipped else f"{row['loss']:.3f}", failed=len(plan.failed))
+            if plan.skipped and not was_skipped:
+                _log(f"step {step}/{tc.steps}: all {self.cfg.cluster.ranks} ranks down, skipping steps until one "
+                     "recovers", self.quiet)
+            was_skipped = plan.skipped
+            if bar.disable and (step % tc.log_every == 0 or step == end):
+                what = "skipped (all ranks down)" if plan.skipped else f"loss {row['loss']:.4f}"
+                _log(f"step {step}/{tc.steps} {what} lr {row['lr']:.2e} failed {len(plan.failed)} "
+                     f"{row['tokens_per_s']:.0f} tok/s" + (f" val_loss {row['val_loss']:.4f}" if row.get("val_loss") else ""),
+                     self.quiet)
+            if (tc.checkpoint_every and step % tc.checkpoint_every == 0) or step == end:
+                self.save(step, plan.failed)
+        bar.close()
+        if self.metrics:
+            self.metrics.close()
+
+    def summary(self) -> dict:
+        """Final evaluation; rank 0 writes summary.json and prints the last line."""
+        tc, p = self.cfg.train, self.progress
+        last_failed = self.schedule.failed[-1]
+        val_loss, test_loss = self.evaluate("val", last_failed), self.evaluate("test", last_failed)
+        agreement = self.cluster.agreement()
+        if not self.main:
+            return {}
+        summary = {
+            "config": self.cfg.to_dict(), "config_hash": self.cfg.hash(), "seed": tc.seed, "steps": tc.steps,
+            "final_train_loss": p.last_loss, "final_val_loss": val_loss, "final_val_ppl": math.exp(val_loss),
+            "final_test_loss": test_loss, "final_test_ppl": math.exp(test_loss),
+            "n_parameters": count_parameters(self.model_cfg), "model": self.model_cfg.__dict__,
+            "tokens_seen": tc.steps * self.tokens_per_step, "tokens_trained": p.tokens_trained,
+            "replayed_steps": self.policy.replayed_steps, "skipped_steps": p.skipped_steps,
+            "skipped_fraction": p.skipped_steps / tc.steps, "rank_agreement": agreement,
+            "failure_schedule": {"fraction_failed": self.schedule.fraction_failed(), "events": self.schedule.failure_events()},
+            "wall_time_s": p.wall_time_s, "device": str(self.device), "git_commit": git_commit(),
+            "packages": package_versions(),
+        }
+        atomic_write_json(self.out / "summary.json", summary)
+        warning = ""
+        if p.skipped_steps > tc.steps / 2:
+            warning = (f"; warning: {p.skipped_steps} of {tc.steps} steps ({100 * summary['skipped_fraction']:.0f}%) "
+                       "were skipped with every rank down")
+        _log(f"done: val loss {val_loss:.4f} (ppl {math.exp(val_loss):.2f}) -> {self.out}{warning}", self.quiet)
+        return summary
+
+
 def run(cfg: Config, out: Path, resume: bool = False, stop_after: int | None = None, quiet: bool = False) -> dict:
     """Train cfg for cfg.train.steps steps (or until stop_after, leaving a checkpoint) and return the summary.
     Under the torch backend every process calls run(); rank 0 alone writes files and prints."""
-    out = Path(out)
     device = resolve_device(cfg.train.device)
     rank, device = _setup_backend(cfg, device)
     main = rank == 0
-    quiet = quiet or not main
-    finished = _agree(cfg, lambda: _prepare_out(out, cfg, resume) if main else None)
+    finished = _agree(cfg, lambda: _prepare_out(Path(out), cfg, resume) if main else None)
     if finished is not None:
         return finished
-    cc, tc, dc = cfg.cluster, cfg.train, cfg.data
-    data = _token_data(cfg, main)
-    model_cfg = preset(cfg.model.preset, vocab_size=data.vocab_size)
-    torch.manual_seed(tc.seed)
-    model = GPT(model_cfg).to(device)
-    if cc.shard == "fsdp":
-        shard_model(model, device)  # before the optimizer, which must see the shards
-    optimizer = build_optimizer(model, cfg.optim)
-    schedule = failures.resolve(cc.failures, cc.ranks, tc.steps, cc.seconds_per_step,
-                                tc.seed if cc.failure_seed < 0 else cc.failure_seed, cc.recovery, cc.failable_ranks())
-    techniques = Techniques.parse(cc.techniques)
-    lowrank = LowRankWgrad(r=cc.low_rank, tau=cc.low_rank_tau, svd=cc.low_rank_svd, seed=tc.seed).bind(model)
-    backend = LocalCluster if cc.backend == "local" else (ShardedCluster if cc.shard == "fsdp" else TorchCluster)
-    cluster = backend(model, data, tc.seed, device, lowrank, lambda: autocast(device, tc.precision), n_ranks=cc.ranks)
-    flops = _FlopModel(model_cfg, dc, cc.low_rank)
-
-    metrics_path, ckpt_path = out / "metrics.jsonl", out / "checkpoint.pt"
-    start, wall_before, restart = 0, 0.0, {"replayed": 0, "consumed": [], "snapshot": None, "snapshot_step": 0}
-    progress = {"tokens_trained": 0, "skipped_steps": 0, "last_loss": None}
-    if ckpt_path.exists():
-        ckpt = _load_checkpoint(ckpt_path, cfg)
-        cluster.load_full_state(ckpt["model"], ckpt["optimizer"], optimizer)
-        _set_rng_state(ckpt["rng"])
-        start, wall_before, restart = ckpt["step"], ckpt["wall_time_s"], ckpt.get("restart", restart)
-        progress = ckpt.get("progress") or progress
-        if ckpt.get("lowrank"):
-            lowrank.load_state_dict(ckpt["lowrank"], model)
-        if main:
-            _truncate_metrics(metrics_path, start)
-        _log(f"resuming {out} from step {start}", quiet)
-    elif main and metrics_path.exists():
-        metrics_path.unlink()
-    if main:
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(out / "config.json", {"config_hash": cfg.hash(), "config": cfg.to_dict()})
-    if restart["snapshot"] is None:
-        restart["snapshot"] = snapshot(model, optimizer)
-    _log(_schedule_line(cfg, schedule), quiet)
-
-    tokens_per_step = dc.micro_batch_size * dc.seq_len * dc.grad_accum * cc.ranks
-    end = min(tc.steps, stop_after) if stop_after is not None else tc.steps
-    bar = tqdm(total=tc.steps, initial=start, desc=f"train {cfg.model.preset}", dynamic_ncols=True,
-               disable=quiet or not sys.stderr.isatty())
-    t0 = time.perf_counter()
-    metrics = open(metrics_path, "a") if main else None
-
-    def record(row: dict) -> None:
-        if metrics:
-            metrics.write(json.dumps(row) + "\n")
-            metrics.flush()
-
-    def evaluate_now(split: str, failed: frozenset[int]) -> float | None:
-        cluster.sync_for_io(failed, optimizer)
-        return evaluate(model, data, split, device, tc.precision) if main or cluster.every_rank_evaluates else None
-
-    if start == 0:
-        record({"step": 0, "val_loss": evaluate_now("val", frozenset()), "tokens_seen": 0})
-    step, furthest, was_skipped = start, start, False
-    while step < end:
-        t_step = time.perf_counter()
-        plan = plan_step(cc.policy, step, schedule.failed[step], cc.ranks, dc.grad_accum, dc.micro_batch_size,
-                         techniques, cc.all_down)
-        if cc.policy == "checkpoint-restart" and schedule.new_failures(step) and step not in restart["consumed"]:
-            restart["consumed"].append(step)  # a new failure: everyone rolls back to the last checkpoint
-            restart["replayed"] += step - restart["snapshot_step"]
-            restore(model, optimizer, restart["snapshot"])
-            step = restart["snapshot_step"]
-            continue
-        cluster.transition(plan, optimizer)
-        lowrank.steps = step
-        cluster.prepare(plan)
-        lr = cfg.optim.lr * lr_at(step, cfg.optim, tc.steps)
-        exact = _failure_free_gradient(cluster, plan, cfg) if cc.track_grad_error and plan.failed and not plan.skipped else None
-        result = cluster.step(plan)
-        rel_error = _relative_error(model, exact) if exact is not None else None
-        loss = grad_norm = None
-        if not plan.skipped:
-            loss, grad_norm = result.loss, clip_gradients(model, cfg.optim.grad_clip)
-            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-                raise TrainingStopped(f"step {step + 1}: non-finite training loss {loss} or gradient norm "
-                                      f"{grad_norm} (lr {lr:.3g}); nothing written for this step, the last "
-                                      f"checkpoint in {out} is kept")
-            progress["last_loss"] = loss
-        if cluster.updates(plan):
-            apply_update(optimizer, lr)
-        model.zero_grad(set_to_none=True)
-        progress["tokens_trained"] += result.samples * dc.seq_len
-        progress["skipped_steps"] += plan.skipped
-        step += 1
-        if cc.policy == "checkpoint-restart" and step % cc.restart_every == 0:
-            restart["snapshot"], restart["snapshot_step"] = snapshot(model, optimizer), step
-        per_rank = flops.per_rank(plan)
-        row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_seen": step * tokens_per_step,
-               "tokens_trained": progress["tokens_trained"], "samples": result.samples,
-               "tokens_per_s": result.samples * dc.seq_len / (time.perf_counter() - t_step),
-               "wall_time_s": wall_before + time.perf_counter() - t0,
-               "failed": sorted(plan.failed), "neighbours": {str(j): nb for j, nb in plan.neighbours.items()},
-               "attention_ranks": plan.counts(1)["attention.0"] / dc.grad_accum, "skipped": plan.skipped,
-               "busiest_rank_flops": max(per_rank.values(), default=0) / flops.normal_rank,
-               "replayed_steps": restart["replayed"], "replay": step <= furthest, "grad_rel_error": rel_error}
-        furthest = max(furthest, step)
-        if step % tc.eval_every == 0 or step == tc.steps:
-            row["val_loss"] = evaluate_now("val", plan.failed)
-        record(row)
-        bar.update(1)
-        bar.set_postfix(loss="skipped" if plan.skipped else f"{loss:.3f}", failed=len(plan.failed))
-        if plan.skipped and not was_skipped:
-            _log(f"step {step}/{tc.steps}: all {cc.ranks} ranks down, skipping steps until one recovers", quiet)
-        was_skipped = plan.skipped
-        if bar.disable and (step % tc.log_every == 0 or step == end):
-            what = "skipped (all ranks down)" if plan.skipped else f"loss {loss:.4f}"
-            _log(f"step {step}/{tc.steps} {what} lr {lr:.2e} failed {len(plan.failed)} "
-                 f"{row['tokens_per_s']:.0f} tok/s" + (f" val_loss {row['val_loss']:.4f}" if row.get("val_loss") else ""), quiet)
-        if (tc.checkpoint_every and step % tc.checkpoint_every == 0) or step == end:
-            cluster.sync_for_io(plan.failed, optimizer)
-            model_state, optimizer_state = cluster.full_state(optimizer)
-            if main:
-                save_checkpoint(ckpt_path, step, cfg, model_state, optimizer_state, restart=restart, progress=progress,
-                                wall_time_s=wall_before + time.perf_counter() - t0, lowrank=lowrank.state_dict(model))
-    bar.close()
-    if metrics:
-        metrics.close()
-    if end < tc.steps:
-        return {"stopped_at": end}
-    last_failed = schedule.failed[-1]
-    val_loss, test_loss = evaluate_now("val", last_failed), evaluate_now("test", last_failed)
-    agreement = cluster.agreement()
-    if not main:
-        return {}
-    summary = {
-        "config": cfg.to_dict(), "config_hash": cfg.hash(), "seed": tc.seed, "steps": tc.steps,
-        "final_train_loss": progress["last_loss"], "final_val_loss": val_loss, "final_val_ppl": math.exp(val_loss),
-        "final_test_loss": test_loss, "final_test_ppl": math.exp(test_loss),
-        "n_parameters": count_parameters(model_cfg), "model": model_cfg.__dict__,
-        "tokens_seen": tc.steps * tokens_per_step, "tokens_trained": progress["tokens_trained"],
-        "replayed_steps": restart["replayed"], "skipped_steps": progress["skipped_steps"], "rank_agreement": agreement,
-        "skipped_fraction": progress["skipped_steps"] / tc.steps,
-        "failure_schedule": {"fraction_failed": schedule.fraction_failed(), "events": schedule.failure_events()},
-        "wall_time_s": wall_before + time.perf_counter() - t0, "device": str(device),
-        "git_commit": git_commit(), "packages": package_versions(),
-    }
-    atomic_write_json(out / "summary.json", summary)
-    warning = ""
-    if progress["skipped_steps"] > tc.steps / 2:
-        warning = (f"; warning: {progress['skipped_steps']} of {tc.steps} steps "
-                   f"({100 * summary['skipped_fraction']:.0f}%) were skipped with every rank down")
-    _log(f"done: val loss {val_loss:.4f} (ppl {math.exp(val_loss):.2f}) -> {out}{warning}", quiet)
-    return summary
+    training = Run(cfg, out, device, main, quiet or not main)
+    start = training.start()
+    end = min(cfg.train.steps, stop_after) if stop_after is not None else cfg.train.steps
+    training.train(start, end)
+    return training.summary() if end == cfg.train.steps else {"stopped_at": end}
 
 
 def _failure_free_gradient(cluster, plan, cfg: Config) -> list[torch.Tensor]:
     """The aggregated gradient the same step would have had without failures (same batches), computed by
     the ranks alive at this step: each failed rank's micro-batches exactly by its neighbour (ndb-exact's
     plan), so that no rank whose state was lost takes part."""
-    reference = plan_step("ndb-exact", plan.step, plan.failed, cfg.cluster.ranks, cfg.data.grad_accum,
-                          cfg.data.micro_batch_size)
+    reference = policies.plan_step("ndb-exact", plan.step, plan.failed, cfg.cluster.ranks, cfg.data.grad_accum,
+                                   cfg.data.micro_batch_size)
     cluster.step(reference)
     return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in cluster.model.parameters()]
 
@@ -400,14 +409,14 @@ def _schedule_line(cfg: Config, schedule: failures.Schedule) -> str:
 class _FlopModel:
     """Per-rank FLOPs of a step from mecefo.costs' closed forms (equal to FlopCounterMode's counts)."""
 
-    def __init__(self, model_cfg, dc, low_rank: float):
-        self.model_cfg, self.seq_len, self.low_rank = model_cfg, dc.seq_len, low_rank
+    def __init__(self, model_cfg, dc, r: float):
+        self.model_cfg, self.seq_len, self.r = model_cfg, dc.seq_len, r
         self.normal_rank = dc.grad_accum * self.piece(dc.micro_batch_size, Techniques())
-        self.apply = analytic_flops(model_cfg, Shape(1, dc.seq_len), Techniques(low_rank_wgrad=True), low_rank)["wgrad_apply"]
+        self.apply = analytic_flops(model_cfg, Shape(1, dc.seq_len), Techniques(low_rank_wgrad=True), r)["wgrad_apply"]
 
     @functools.lru_cache(maxsize=64)
     def piece(self, rows: int, techniques: Techniques) -> int:
-        f = analytic_flops(self.model_cfg, Shape(rows, self.seq_len), techniques, self.low_rank)
+        f = analytic_flops(self.model_cfg, Shape(rows, self.seq_len), techniques, self.r)
         return f["total"] - f["wgrad_apply"]
 
     def per_rank(self, plan) -> dict[int, int]:
@@ -428,7 +437,7 @@ def _log(msg: str, quiet: bool) -> None:
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, str]]:
-    parser = argparse.ArgumentParser(prog="python -m mecefo.train", description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(prog="python -m mecefo.train", description=__doc__.splitlines()[0], allow_abbrev=False,
                                      epilog="Any config field can be overridden: --steps 30 --lr 3e-4 --optim.warmup_steps 10")
     parser.add_argument("--config", help="TOML file (experiments/configs/*.toml); defaults apply without one")
     parser.add_argument("--out", help="output folder (default results/runs/<preset>-<config hash>)")

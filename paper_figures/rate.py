@@ -1,0 +1,63 @@
+"""Figures of the O(1/sqrt(nT)) check: the synthetic problem's fitted slopes against -1/2, and the GPT
+sweep's failure-free curves against n x step (from results/analysis/rate-<profile>.json only).
+
+    python -m paper_figures.rate [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import seaborn as sns
+
+from mecefo.errors import UsageError, guarded
+from mecefo.results import measurement
+
+from .common import save_figure, style
+
+
+def figures(result: dict) -> list:
+    style()
+    pts = pd.DataFrame(result["synthetic"]["points"])
+    fig, ax = plt.subplots(figsize=(5.8, 4))
+    sns.scatterplot(pts, x="nT", y="mean_sq_grad", hue="policy", style="n", ax=ax)
+    xs = np.logspace(np.log10(pts["nT"].min()), np.log10(pts["nT"].max()), 50)
+    for i, (p, f) in enumerate(result["synthetic"]["fits"].items()):
+        ax.plot(xs, np.exp(f["intercept"]) * xs ** f["slope"], color=sns.color_palette()[i], lw=1,
+                label=f"{p}: slope {f['slope']:.3f} [{f['ci95'][0]:.3f}, {f['ci95'][1]:.3f}]")
+    anchor = pts[pts["policy"] == "failure-free"]["mean_sq_grad"].max() * pts["nT"].min() ** 0.5
+    ax.plot(xs, anchor * xs ** -0.5, "k--", lw=1, label="theory: slope -1/2")
+    ax.set(xscale="log", yscale="log", xlabel="nT", ylabel="(1/T) sum ||grad f(x_t)||^2",
+           title="Synthetic non-convex problem, momentum SGD, eta ~ sqrt(n/T)")
+    ax.legend(fontsize=6, loc="lower left")
+    out = save_figure(fig, "rate_synthetic")
+    if result["gpt"]:
+        df = pd.DataFrame(result["gpt"])
+        fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+        for ax, col in zip(axes, ("loss", "grad_norm")):
+            sns.lineplot(df, x="nT", y=col, hue="n", palette="viridis", ax=ax, lw=0.8)
+            ax.set(xscale="log", yscale="log", xlabel="n x step")
+        fig.suptitle("GPT sweep, failure-free runs (global batch fixed: n x step counts ranks, not samples)", fontsize=9)
+        out += save_figure(fig, "rate_gpt_curves")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    quick = parser.parse_args(argv).quick
+    path = measurement("analysis", "rate", quick)
+    if not path.exists():
+        raise UsageError(f"no {path}; run python -m analysis.rate{' --quick' if quick else ''} first")
+    for p in figures(json.loads(path.read_text())):
+        print(f"wrote {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(guarded(main))

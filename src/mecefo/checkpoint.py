@@ -1,0 +1,71 @@
+"""Checkpoints: one protocol for every stateful part of a run.
+
+A checkpoint is {"step", "config_hash"} plus one entry per component, each taken from the component's
+`state_dict()` and given back through its `load_state_dict()`: the model, the optimizer, the RNG states,
+the low-rank subspaces with their epoch, the policy's own state (checkpoint-restart's snapshot), the
+run's counters. The data position is the step (a micro-batch is a pure function of it). Written to a
+temporary file and renamed, so a checkpoint on disk is always whole.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .errors import UsageError
+
+
+class RNG:
+    """The torch, numpy and Python generators as a component."""
+
+    def state_dict(self) -> dict:
+        return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+
+    def load_state_dict(self, state: dict) -> None:
+        torch.set_rng_state(state["torch"])
+        np.random.set_state(state["numpy"])
+        random.setstate(state["python"])
+
+
+class Component:
+    """A component from a pair of functions (for states that take a collective to gather, e.g. FSDP's)."""
+
+    def __init__(self, get, put):
+        self.state_dict, self.load_state_dict = get, put
+
+
+def gather(components: dict) -> dict:
+    """Every component's state (under FSDP some are collectives: every rank calls this)."""
+    return {name: c.state_dict() for name, c in components.items()}
+
+
+def save(path: Path, step: int, config_hash: str, states: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save({"step": step, "config_hash": config_hash, **states}, tmp)
+    os.replace(tmp, path)
+
+
+def load(path: Path, config_hash: str) -> dict:
+    """The checkpoint at path, refusing an unreadable one or another config's with a one-line UsageError."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise UsageError(f"checkpoint {path} cannot be read ({type(e).__name__}); delete it to start over") from None
+    if ckpt.get("config_hash") != config_hash:
+        raise UsageError(f"checkpoint {path} belongs to another config (hash {ckpt.get('config_hash')} != "
+                         f"{config_hash}); choose another --out")
+    return ckpt
+
+
+def restore(ckpt: dict, components: dict) -> int:
+    """Give every component its state back; returns the step to continue from."""
+    missing = sorted(set(components) - set(ckpt))
+    if missing:
+        raise UsageError(f"checkpoint lacks {', '.join(missing)} (written by an older version?); delete it to start over")
+    for name, c in components.items():
+        c.load_state_dict(ckpt[name])
+    return ckpt["step"]

@@ -1,0 +1,61 @@
+"""Where results live: the one module that knows the repository's result paths, profiles and configs, and
+the one loader of the paper's own numbers.
+
+results/<experiment>/<preset>-<config hash>/   a training run (the same config always lands in one folder)
+results/<experiment>/...-<profile>.json        an experiment's or analysis's measurements
+paper_figures/out/                             figures and tables drawn from results/ (paper_figures only)
+paper_figures/paper_numbers.json               the paper's numbers, each with its table or figure
+
+MECEFO_RESULTS points results/ elsewhere (the tests use a temporary folder).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import lru_cache
+from pathlib import Path
+
+ROOT = Path(os.environ.get("MECEFO_ROOT", Path(__file__).resolve().parents[2]))
+CONFIGS = ROOT / "experiments" / "configs"
+RESULTS = Path(os.environ.get("MECEFO_RESULTS", ROOT / "results"))
+FIGURES = ROOT / "paper_figures" / "out"
+PAPER_NUMBERS = ROOT / "paper_figures" / "paper_numbers.json"
+PROFILES = ("quick", "default", "full")
+FAILURE_FREE_CONFIG = {"quick": "nano", "default": "tiny"}  # the failure-free reference run of each profile
+
+
+def profile(quick: bool) -> str:
+    return "quick" if quick else "default"
+
+
+def load_config(name: str, **overrides):
+    """experiments/configs/<name>.toml with CLI-style overrides."""
+    from . import config as config_mod
+
+    return config_mod.load(CONFIGS / f"{name}.toml", {k: str(v) for k, v in overrides.items()})
+
+
+def run_dir(experiment: str, cfg) -> Path:
+    """results/<experiment>/<preset>-<config hash>: the same config always lands in the same folder."""
+    return RESULTS / experiment / f"{cfg.model.preset}-{cfg.hash()}"
+
+
+def failure_free_run(quick: bool) -> Path:
+    """The failure-free reference run of a profile (experiments.failure_free)."""
+    return run_dir("failure_free", load_config(FAILURE_FREE_CONFIG[profile(quick)]))
+
+
+def measurement(experiment: str, name: str, quick: bool) -> Path:
+    """results/<experiment>/<name>-<profile>.json."""
+    return RESULTS / experiment / f"{name}-{profile(quick)}.json"
+
+
+def sweep_index(quick: bool) -> Path:
+    return RESULTS / "sweep" / f"index-{profile(quick)}.json"
+
+
+@lru_cache(maxsize=1)
+def paper_numbers() -> dict:
+    """The paper's numbers (paper_figures/paper_numbers.json): every entry names its source table or figure."""
+    return json.loads(PAPER_NUMBERS.read_text())
