@@ -40,6 +40,9 @@ python -m paper_figures.ablation $quick
 python -m paper_figures.svd_accuracy $quick
 python -m paper_figures.sweep $quick
 python -m paper_figures.throughput $quick
+python -m paper_figures.bias_variance $quick
+python -m paper_figures.grad_error $quick
+python -m paper_figures.rate $quick
 python -m analysis.run_notebooks
 
 echo

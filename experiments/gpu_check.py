@@ -8,7 +8,9 @@ Checks, each recorded in results/gpu_check.json (results/gpu_check-cpu.json for 
    of four ranks): finite losses, the failure path taken.
 2. the low-rank path on the device: randomized V1 of a llama-1b FFN-shaped Gaussian weight (the hardest
    spectrum) against the exact SVD, energy gap and times.
-3. torchrun with one process (nccl on CUDA, gloo on the CPU), unsharded and FSDP2-sharded.
+3. torchrun with one process (nccl on CUDA, gloo on the CPU), unsharded and FSDP2-sharded: the launch,
+   the backend and the sharded code path on the device (with one rank there is no failure to cover; the
+   multi-rank failure paths of both backends are covered by the gloo tests on the CPU).
 4. throughput of llama-60m and llama-130m (bf16 autocast, AdamW, synthetic tokens): tokens/s of a normal
    step, MFU = counted FLOPs (mecefo.costs) x steps/s / the GPU's bf16 dense peak, the wall-time ratio of a
    MeCeFO neighbour step (two micro-batches with the three techniques) to a normal step measured
@@ -101,11 +103,14 @@ def check_torchrun(device: torch.device, tmp: Path, steps: int) -> dict:
     for shard in ("none", "fsdp"):
         run = tmp / f"torchrun-{shard}"
         t = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-                               "-m", "mecefo.train", "--config", str(CONFIGS / "nano.toml"), "--steps", str(steps),
-                               "--ranks", "1", "--backend", "torch", "--shard", shard, "--device", device.type,
-                               "--eval_every", str(steps), "--quiet", "--out", str(run)],
-                              capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+        try:
+            proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+                                   "-m", "mecefo.train", "--config", str(CONFIGS / "nano.toml"), "--steps", str(steps),
+                                   "--ranks", "1", "--backend", "torch", "--shard", shard, "--device", device.type,
+                                   "--eval_every", str(steps), "--quiet", "--out", str(run)],
+                                  capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+        except subprocess.TimeoutExpired as e:
+            proc = subprocess.CompletedProcess(e.cmd, returncode=124, stderr=f"timed out after {e.timeout} s")
         out[shard] = {"exit": proc.returncode, "seconds": time.perf_counter() - t,
                       "backend": "nccl" if device.type == "cuda" else "gloo",
                       "final_val_loss": json.loads((run / "summary.json").read_text())["final_val_loss"]
@@ -190,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [("nano", 4, 64, 3)] if quick else [("llama-60m", 32, 256, 10), ("llama-130m", 32, 256, 10)]
     result["throughput"] = [check_throughput(device, *s) for s in sizes]
     result["seconds"] = time.perf_counter() - t0
-    ok = (all(p["exit"] == 0 and p["finite"] for p in result["policies"].values())
+    ok = (all(p["exit"] == 0 and p["finite"] and (p["steps_with_failures"] > 0 or name == "checkpoint-restart")
+              for name, p in result["policies"].items())
           and all(t["exit"] == 0 for t in result["torchrun"].values()) and result["low_rank"]["energy_gap"] < 0.01)
     result["ok"] = ok
     atomic_write_json(path, result)

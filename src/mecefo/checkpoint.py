@@ -51,8 +51,8 @@ def save(path: Path, step: int, config_hash: str, states: dict) -> None:
 
 def load(path: Path, config_hash: str) -> dict:
     """The checkpoint at path, refusing an unreadable one or another config's with a one-line UsageError."""
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    try:  # memory-mapped: reading the hash, or one component, does not read every tensor
+        ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     except Exception as e:
         raise UsageError(f"checkpoint {path} cannot be read ({type(e).__name__}); delete it to start over") from None
     if ckpt.get("config_hash") != config_hash:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import policies
+from . import checkpoint, policies
 from .checkpoint import Component
 from .errors import UsageError
 from .model import ffn_linears, group_of
@@ -104,8 +104,9 @@ class _Common:
     def prepare(self, plan: StepPlan, computing: bool = True) -> None:
         """Refresh V1 (once per tau-step epoch) at a step where some rank uses low_rank_wgrad: every rank
         does it at the same step from the same weights, so all ranks hold the same subspaces."""
-        if computing and plan.uses("low_rank_wgrad"):
-            self.lowrank.prepare(self.model)
+        ffn, head = plan.uses("low_rank_wgrad"), plan.uses("low_rank_head")
+        if computing and (ffn or head):
+            self.lowrank.prepare(self.model, ffn, head)
 
     def neighbour(self, t: Techniques) -> Neighbour | None:
         if t == NORMAL:
@@ -139,6 +140,14 @@ class _Common:
         """The model and the optimizer as checkpoint components (whole tensors; mecefo.checkpoint)."""
         return {"model": Component(self.model.state_dict, self.model.load_state_dict),
                 "optimizer": Component(optimizer.state_dict, optimizer.load_state_dict)}
+
+    def parameters_finite(self) -> bool:
+        """Whether every parameter this process holds for the run is finite."""
+        return all(bool(torch.isfinite(_local(p)).all()) for p in self.model.parameters())
+
+    def restore_checkpoint(self, path, config_hash: str, components: dict, optimizer) -> int:
+        """Load the checkpoint at path into the components; returns its step."""
+        return checkpoint.restore(checkpoint.load(path, config_hash), components)
 
     def agreement(self) -> dict:
         """Whether the ranks hold the same state (one process: trivially)."""
@@ -221,6 +230,28 @@ class TorchCluster(_Common):
         if self.rank != src:
             optimizer.load_state_dict(payload[0][0])
             self.lowrank.load_state_dict(payload[0][1])
+
+    WHOLE = ("model", "optimizer", "lowrank")  # what _broadcast_state sends, tensor by tensor
+
+    def parameters_finite(self) -> bool:
+        """Every rank whose state is current holds finite parameters (a failed rank's are NaN by design)."""
+        ok = torch.tensor([int(self.rank not in self.valid or super().parameters_finite())], device=self.device)
+        self.dist.all_reduce(ok, op=self.dist.ReduceOp.MIN)
+        return bool(ok.item())
+
+    def restore_checkpoint(self, path, config_hash: str, components: dict, optimizer) -> int:
+        """Rank 0 reads the file; the others receive the state from it, tensors by broadcast (as at a
+        recovery), the rest as one object: no rank but 0 needs the file."""
+        box = [None]
+        if self.rank == 0:
+            ckpt = checkpoint.load(path, config_hash)
+            checkpoint.restore(ckpt, components)
+            box[0] = {k: v for k, v in ckpt.items() if k not in self.WHOLE}
+        self.dist.broadcast_object_list(box, src=0)
+        if self.rank != 0:
+            checkpoint.restore(box[0], {k: c for k, c in components.items() if k not in self.WHOLE})
+        self._broadcast_state(0, optimizer)
+        return box[0]["step"]
 
     def sync_for_io(self, failed: frozenset[int], optimizer) -> None:
         """Before rank 0 evaluates or writes a checkpoint: give it the current state if it has none."""
@@ -318,13 +349,11 @@ class ShardedCluster(TorchCluster):
 
     @torch.no_grad()
     def _finish_low_rank(self, plan: StepPlan) -> None:
-        if not (plan.uses("low_rank_wgrad") or plan.uses("low_rank_head")):
+        """Sum the ranks' factors G_y^T (x V1) (m x r each) and add this rank's rows of (sum) V1^T to its
+        gradient shard (FSDP2 shards dim 0 in torch.chunk's split)."""
+        linears = self.lowrank.matrices(self.model, plan.uses("low_rank_wgrad"), plan.uses("low_rank_head"))
+        if not linears:
             return
-        from torch.distributed.tensor import distribute_tensor
-
-        linears = [m for m in ffn_linears(self.model)]
-        if plan.uses("low_rank_head"):
-            linears.append(self.model.lm_head)
         pending = self.lowrank.pending
         factors = [pending.pop(m, None) for m in linears]
         shapes = [(m.weight.shape[0], self.lowrank.basis(m).shape[1]) for m in linears]
@@ -335,26 +364,64 @@ class ShardedCluster(TorchCluster):
         for m, shape in zip(linears, shapes):
             factor = flat[offset: offset + shape[0] * shape[1]].view(shape)
             offset += factor.numel()
-            grad = m.weight.grad
-            g = self.lowrank.gradient(m, factor).to(grad.dtype)
-            grad.add_(distribute_tensor(g, grad.device_mesh, grad.placements, src_data_rank=None))
+            local = m.weight.grad.to_local()
+            chunks = factor.chunk(self.n_ranks, dim=0)
+            rows = chunks[self.rank] if self.rank < len(chunks) else factor[:0]
+            if rows.shape[0] != local.shape[0]:
+                raise RuntimeError(f"FSDP shard of {m} has {local.shape[0]} rows, expected {rows.shape[0]}")
+            local.add_(self.lowrank.gradient(m, rows).to(local.dtype))
 
     def components(self, optimizer) -> dict[str, Component]:
-        """Whole tensors gathered onto rank 0's CPU (a collective; the other ranks get empty dicts), and
-        scattered back into the shards on load."""
+        """Whole tensors gathered onto rank 0's CPU (a collective; the other ranks get empty dicts), and on
+        load broadcast from rank 0 into every rank's shards."""
         from torch.distributed.checkpoint import state_dict as dcp
 
-        gather, scatter = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True), dcp.StateDictOptions(full_state_dict=True)
+        gather = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
+        scatter = dcp.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         return {"model": Component(lambda: dcp.get_model_state_dict(self.model, options=gather),
                                    lambda s: dcp.set_model_state_dict(self.model, s, options=scatter)),
                 "optimizer": Component(lambda: dcp.get_optimizer_state_dict(self.model, optimizer, options=gather),
                                        lambda s: dcp.set_optimizer_state_dict(self.model, optimizer, s, options=scatter))}
+
+    def restore_checkpoint(self, path, config_hash: str, components: dict, optimizer) -> int:
+        """Rank 0 reads the file and broadcasts it: the model and optimizer into the shards, the rest as one
+        object."""
+        sharded, box, ckpt = ("model", "optimizer"), [None], {}
+        if self.rank == 0:
+            ckpt = checkpoint.load(path, config_hash)
+            box[0] = {k: v for k, v in ckpt.items() if k not in sharded}
+        self.dist.broadcast_object_list(box, src=0)
+        return checkpoint.restore(box[0] | {k: ckpt.get(k, {}) for k in sharded}, components)
 
     def agreement(self) -> dict:
         """Every rank holds the same V1 (the parameters are shards: each rank's are its own)."""
         digests = [None] * self.n_ranks
         self.dist.all_gather_object(digests, self._digest(with_parameters=False))
         return {"ranks_checked": list(range(self.n_ranks)), "identical": all(d == digests[0] for d in digests)}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def sharded_model(cfg, device: torch.device, seed: int) -> torch.nn.Module:
+    """A GPT sharded by FSDP2 whose whole is never built on any rank but 0: rank 0 initialises it (seeded,
+    on the CPU, as the unsharded backends do) and broadcasts it into the others' shards."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from .model import GPT
+
+    torch.manual_seed(seed)
+    whole = GPT(cfg).state_dict() if dist.get_rank() == 0 else {}
+    with torch.device("meta"):
+        model = GPT(cfg)
+    shard_model(model, device)
+    model.to_empty(device=device)
+    model.reset_buffers()
+    set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    return model
 
 
 def shard_model(model: torch.nn.Module, device: torch.device) -> None:

@@ -82,8 +82,9 @@ def analytic_flops(cfg: ModelConfig, shape: Shape, techniques: Techniques, r: fl
     return {"attention": attention, "ffn": ffn, "head": head, "wgrad_apply": wgrad_apply, "total": total}
 
 
-def svd_flops(m: int, n: int, r: int, method: str, oversample: int = 8, niter: int = 2) -> int:
-    """Estimated FLOPs of one refresh of V1 for an m x n matrix (see the module docstring)."""
+def svd_flops(m: int, n: int, r: int, method: str, oversample: int, niter: int) -> int:
+    """Estimated FLOPs of one refresh of V1 for an m x n matrix (see the module docstring); oversample is
+    the number of extra columns (LowRankWgrad.oversample_columns)."""
     m, n = max(m, n), min(m, n)
     if method == "exact":
         return 4 * m * n * n + 8 * n ** 3

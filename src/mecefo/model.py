@@ -175,6 +175,13 @@ class GPT(nn.Module):
         self.reset_parameters()
 
     @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Recompute the RoPE tables in place (after `to_empty`, which leaves buffers uninitialised)."""
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    @torch.no_grad()
     def reset_parameters(self) -> None:
         """N(0, 0.02) for embedding and projections; residual-output projections (o_proj, down_proj)
         scaled by 1/sqrt(2 L) as in GPT-2; norm weights 1."""

@@ -113,8 +113,9 @@ class LowRankWgrad:
     columns and `niter` power iterations) or 'auto' (randomized when min(m, n) > `exact_limit`). The
     defaults (oversample 0.5, niter 8) are the cheapest setting measured by experiments/svd_accuracy.py to
     capture the exact top-r energy within 0.5% on trained, decaying-spectrum and Gaussian 1B-shaped weights. The randomized path
-    draws from a generator seeded by (seed, epoch, the matrix's parameter name), so V1 is a function of
-    the weight and that triple only: every rank holding the same weights holds the same subspaces.
+    draws from a generator seeded by (seed, epoch, the matrix's module name, known after `bind(model)`), so
+    V1 is a function of the weight and that triple only: every rank holding the same weights holds the same
+    subspaces (an unbound instance uses one name for every matrix: one draw per shape).
     Weights that are DTensors (FSDP2 shards) are gathered first (a collective: every rank calls prepare).
     """
 
@@ -175,9 +176,15 @@ class LowRankWgrad:
         self.svd_count += 1
         return v1
 
-    def prepare(self, model: torch.nn.Module) -> None:
-        for linear in ffn_linears(model):
+    def prepare(self, model: torch.nn.Module, ffn: bool = True, head: bool = False) -> None:
+        """Compute now every V1 a step will use (the FFN matrices, and the LM head under low_rank_head), so
+        that all ranks refresh at the same step from the same weights."""
+        for linear in self.matrices(model, ffn, head):
             self.basis(linear)
+
+    @staticmethod
+    def matrices(model: torch.nn.Module, ffn: bool = True, head: bool = False) -> list[torch.nn.Linear]:
+        return (ffn_linears(model) if ffn else []) + ([model.lm_head] if head else [])
 
     def state_dict(self) -> dict:
         """Step count and cached subspaces (with their epoch) by module name (bind() first)."""

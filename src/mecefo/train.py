@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from . import checkpoint, failures, policies
 from . import config as config_mod
-from .cluster import LocalCluster, ShardedCluster, TorchCluster, shard_model
+from .cluster import LocalCluster, ShardedCluster, TorchCluster, sharded_model
 from .config import Config
 from .costs import Shape, analytic_flops
 from .data import TokenData
@@ -102,13 +102,14 @@ def evaluate(model: GPT, data: TokenData, split: str, device: torch.device, prec
     return total / rows
 
 
-def _prepare_out(out: Path, cfg: Config, resume: bool) -> dict | None:
-    """Decide what to do with an existing DIR: reuse a finished run, resume, or refuse to overwrite."""
+def _prepare_out(out: Path, cfg: Config, resume: bool) -> dict:
+    """Decide what to do with an existing DIR: reuse a finished run ({"finished": summary}), resume from its
+    checkpoint ({"resume": True}), start afresh, or refuse to overwrite (UsageError)."""
     summary, ckpt = out / "summary.json", out / "checkpoint.pt"
     if summary.exists():
         done = json.loads(summary.read_text())
         if done.get("config_hash") == cfg.hash():
-            return done
+            return {"finished": done, "resume": False}
         raise UsageError(f"--out {out} holds a finished run of another config (hash {done.get('config_hash')}); "
                          "choose another --out")
     if resume and not ckpt.exists():
@@ -120,7 +121,7 @@ def _prepare_out(out: Path, cfg: Config, resume: bool) -> dict | None:
         if not (started.exists() and json.loads(started.read_text()).get("config_hash") == cfg.hash()):
             raise UsageError(f"--out {out} is not empty and holds no run of this config; choose another --out")
         # our own run, interrupted before its first checkpoint: it starts over
-    return None
+    return {"finished": None, "resume": ckpt.exists()}
 
 
 def _setup_backend(cfg: Config, device: torch.device) -> tuple[int, torch.device]:
@@ -168,10 +169,11 @@ class Run:
         cc, tc = cfg.cluster, cfg.train
         self.data = _token_data(cfg, main)
         self.model_cfg = preset(cfg.model.preset, vocab_size=self.data.vocab_size)
-        torch.manual_seed(tc.seed)
-        self.model = GPT(self.model_cfg).to(device)
-        if cc.shard == "fsdp":
-            shard_model(self.model, device)  # before the optimizer, which must see the shards
+        if cc.shard == "fsdp":  # sharded before the optimizer, which must see the shards
+            self.model = sharded_model(self.model_cfg, device, tc.seed)
+        else:
+            torch.manual_seed(tc.seed)
+            self.model = GPT(self.model_cfg).to(device)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.schedule = failures.resolve(cc.failures, cc.ranks, tc.steps, cc.seconds_per_step,
                                          tc.seed if cc.failure_seed < 0 else cc.failure_seed, cc.recovery,
@@ -187,12 +189,13 @@ class Run:
             "rng": checkpoint.RNG(), "lowrank": self.lowrank, "policy": self.policy, "progress": self.progress}
         self.tokens_per_step = cfg.data.micro_batch_size * cfg.data.seq_len * cfg.data.grad_accum * cc.ranks
 
-    def start(self) -> int:
-        """Resume from out/checkpoint.pt if there is one, else start afresh; returns the first step."""
+    def start(self, resume: bool) -> int:
+        """Resume from out/checkpoint.pt (rank 0 has decided that it exists) or start afresh; returns the
+        first step."""
         ckpt_path, metrics_path = self.out / "checkpoint.pt", self.out / "metrics.jsonl"
         start = 0
-        if ckpt_path.exists():
-            start = checkpoint.restore(checkpoint.load(ckpt_path, self.cfg.hash()), self.components)
+        if resume:
+            start = self.cluster.restore_checkpoint(ckpt_path, self.cfg.hash(), self.components, self.optimizer)
             if self.main:
                 _truncate_metrics(metrics_path, start)
             _log(f"resuming {self.out} from step {start}", self.quiet)
@@ -220,6 +223,9 @@ class Run:
 
     def save(self, step: int, failed: frozenset[int]) -> None:
         self.cluster.sync_for_io(failed, self.optimizer)
+        if not self.cluster.parameters_finite():  # a finite loss can still be followed by a non-finite update
+            raise TrainingStopped(f"step {step}: the parameters are not finite after the update; the last checkpoint "
+                                  f"in {self.out} is kept")
         states = checkpoint.gather(self.components)  # every rank: gathering FSDP shards is collective
         if self.main:
             checkpoint.save(self.out / "checkpoint.pt", step, self.cfg.hash(), states)
@@ -233,7 +239,9 @@ class Run:
         self.lowrank.steps = step
         self.cluster.prepare(plan)
         lr = self.cfg.optim.lr * lr_at(step, self.cfg.optim, self.cfg.train.steps)
+        t_reference = time.perf_counter()
         exact = _failure_free_gradient(self.cluster, plan, self.cfg) if cc.track_grad_error and plan.failed and not plan.skipped else None
+        t0 += time.perf_counter() - t_reference  # tokens/s of the step itself, without the tracking
         result = self.cluster.step(plan)
         rel_error = _relative_error(self.model, exact) if exact is not None else None
         loss = grad_norm = None
@@ -331,11 +339,11 @@ def run(cfg: Config, out: Path, resume: bool = False, stop_after: int | None = N
     device = resolve_device(cfg.train.device)
     rank, device = _setup_backend(cfg, device)
     main = rank == 0
-    finished = _agree(cfg, lambda: _prepare_out(Path(out), cfg, resume) if main else None)
-    if finished is not None:
-        return finished
+    decision = _agree(cfg, lambda: _prepare_out(Path(out), cfg, resume) if main else None)
+    if decision["finished"] is not None:
+        return decision["finished"]
     training = Run(cfg, out, device, main, quiet or not main)
-    start = training.start()
+    start = training.start(decision["resume"])
     end = min(cfg.train.steps, stop_after) if stop_after is not None else cfg.train.steps
     training.train(start, end)
     return training.summary() if end == cfg.train.steps else {"stopped_at": end}
@@ -369,15 +377,19 @@ def _agree(cfg: Config, decide):
         return decide()
     import torch.distributed as dist
 
-    outcome = [None]
+    outcome, failure = [None], None
     try:
         outcome[0] = ("ok", decide())
     except UsageError as e:
-        outcome[0] = ("error", str(e))
+        outcome[0] = ("usage", str(e))
+    except Exception as e:  # anything else: every rank stops, rank 0 with the original error
+        outcome[0], failure = ("crash", f"rank 0 failed: {type(e).__name__}: {e}"), e
     dist.broadcast_object_list(outcome, src=0)
     kind, value = outcome[0]
-    if kind == "error":
+    if kind == "usage":
         raise UsageError(value)
+    if kind == "crash":
+        raise failure if failure is not None else RuntimeError(value)
     return value
 
 
@@ -488,10 +500,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The console entry point (python -m mecefo.train, mecefo-train)."""
     code = main()
     if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: skip interpreter teardown, where gloo's worker
         sys.stdout.flush()                    # threads can abort the process after a clean finish
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
+
+
+if __name__ == "__main__":
+    cli()
