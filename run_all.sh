@@ -35,6 +35,7 @@ python -m analysis.grad_error $quick
 python -m analysis.rate $quick
 
 step "figures and tables"
+python -m mecefo.policies --readme
 python -m paper_figures.failure_free $quick
 python -m paper_figures.ablation $quick
 python -m paper_figures.svd_accuracy $quick

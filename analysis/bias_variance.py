@@ -15,7 +15,6 @@ Writes results/analysis/bias_variance-<profile>.json and paper_figures/out/bias_
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import sys
 from contextlib import nullcontext
@@ -26,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from mecefo.errors import guarded
-from mecefo.results import load_config, measurement, run_dir
+from mecefo.results import load_config, measurement, quick_flag, run_dir
 from mecefo.cluster import LocalCluster
 from mecefo.policies import plan_step
 from mecefo.data import TokenData
@@ -151,9 +150,7 @@ def crossing(df: pd.DataFrame) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    quick = parser.parse_args(argv).quick
+    quick = quick_flag(argv, __doc__)
     path = measurement("analysis", "bias_variance", quick)
     if path.exists():
         import json

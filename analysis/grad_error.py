@@ -10,7 +10,6 @@ writes results/analysis/grad_error-<profile>.json and paper_figures/out/grad_err
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -18,7 +17,7 @@ import numpy as np
 
 from mecefo.errors import guarded
 from mecefo.records import atomic_write_json, git_commit, read_jsonl
-from mecefo.results import RESULTS, load_config, measurement, paper_numbers, run_dir
+from mecefo.results import RESULTS, load_config, measurement, paper_numbers, quick_flag, run_dir
 from mecefo.train import run
 
 LEVELS = ("low", "mid", "high")
@@ -36,9 +35,7 @@ def configs(quick: bool):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    quick = parser.parse_args(argv).quick
+    quick = quick_flag(argv, __doc__)
     bound, rows, summary = paper_bound(), [], {}
     for level, cfg in configs(quick):
         out = run_dir("analysis/grad_error", cfg)

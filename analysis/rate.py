@@ -18,7 +18,6 @@ Writes results/analysis/rate-<profile>.json and paper_figures/out/rate_*.png|pdf
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -26,7 +25,7 @@ import numpy as np
 
 from mecefo.errors import guarded
 from mecefo.records import atomic_write_json, git_commit, read_jsonl
-from mecefo.results import RESULTS, measurement, sweep_index
+from mecefo.results import RESULTS, measurement, quick_flag, sweep_index
 from mecefo.stats import fit_rate
 
 POLICIES = ("failure-free", "drop", "mecefo")
@@ -106,9 +105,7 @@ def gpt_curves(quick: bool) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    quick = parser.parse_args(argv).quick
+    quick = quick_flag(argv, __doc__)
     path = measurement("analysis", "rate", quick)
     if path.exists():
         result = json.loads(path.read_text())

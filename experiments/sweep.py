@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from mecefo import config as config_mod
+from mecefo import policies
 from mecefo.costs import Shape, training_memory
 from mecefo.errors import UsageError
 from mecefo.model import GPT, preset
@@ -30,7 +31,7 @@ from mecefo.neighbour import Techniques
 from mecefo.records import atomic_write_json, atomic_write_text, git_commit
 from mecefo.train import run
 
-from .common import CONFIGS, RESULTS, guarded
+from .common import CONFIGS, RESULTS, guarded, run_dir
 
 
 @dataclass(frozen=True)
@@ -43,13 +44,17 @@ class Cell:
     tag: str = "main"  # main (Table 3) | fig3 (skip attention vs skip FFN)
 
 
-def cells(profile: str) -> list[Cell]:
-    """The grid of a profile. Failure-free cells run once per (n, seed): every policy is the same there."""
+def cells(profile: str, extra: tuple[str, ...] = ()) -> list[Cell]:
+    """The grid of a profile, plus the main comparison cells (beside mecefo's and drop's) for each policy in
+    `extra` (any registered trainer policy). Failure-free cells run once per (n, seed): every policy is the
+    same there."""
+    for name in extra:
+        policies.get(name, trainer=True)
     if profile == "quick":
         out = [Cell(n, "none", "none", 0) for n in (1, 4)]
         out += [Cell(4, "high", p, 0) for p in ("mecefo", "drop", "ndb-exact")]
         out += [Cell(4, "high", "mecefo", 0, t, "fig3") for t in ("skip_attention", "skip_ffn")]
-        return out
+        return out + [Cell(4, "high", p, 0) for p in extra]
     seeds3 = (0, 1, 2)
     # failure-free runs do not depend on n (the global batch is split, the samples are the same): one seed
     # for n < 8 checks that, three for n = 8, the main comparison
@@ -60,7 +65,7 @@ def cells(profile: str) -> list[Cell]:
         out += [Cell(8, level, "spread-mecefo", 0)]
     out += [Cell(8, "high", p, 0) for p in ("ndb-exact", "spread", "checkpoint-restart")]
     out += [Cell(8, "high", "mecefo", 0, t, "fig3") for t in ("skip_attention", "skip_ffn")]
-    return out
+    return out + [Cell(8, level, p, s) for p in extra for level in ("low", "mid", "high") for s in seeds3]
 
 
 def cell_config(base: str, cell: Cell):
@@ -75,15 +80,15 @@ def cell_config(base: str, cell: Cell):
                  "techniques": cell.techniques})
 
 
-def run_sweep(profile: str) -> dict:
+def run_sweep(profile: str, extra: tuple[str, ...] = ()) -> dict:
     base = "sweep-quick" if profile == "quick" else "sweep"
-    grid = cells(profile)
+    grid = cells(profile, extra)
     index, failed = [], []
     bar = tqdm(grid, desc=f"sweep ({profile})", disable=not sys.stderr.isatty())
     t0 = time.perf_counter()
     for i, cell in enumerate(bar):
         cfg = cell_config(base, cell)
-        out = RESULTS / "sweep" / f"{cfg.model.preset}-{cfg.hash()}"
+        out = run_dir("sweep", cfg)
         entry = {**cell.__dict__, "run": str(out.relative_to(RESULTS)), "config_hash": cfg.hash()}
         try:
             summary = run(cfg, out, quiet=True)
@@ -168,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--quick", action="store_true", help="a few nano cells (CI)")
     group.add_argument("--full", action="store_true", help="write the paper-scale torchrun commands (dry run)")
+    parser.add_argument("--policies", default="", help="comma-separated registered policies to add to the main cells")
     args = parser.parse_args(argv)
     if args.full:
         path = RESULTS / "sweep" / "full_commands.sh"
@@ -181,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{GPU_BYTES / 1e9:.0f} GB")
         print(f"paper-scale commands (dry-run checked: configs resolve, shapes instantiate on meta, memory fits) -> {path}")
         return 0
-    result = run_sweep("quick" if args.quick else "default")
+    result = run_sweep("quick" if args.quick else "default", tuple(p for p in args.policies.split(",") if p))
     return 1 if any("error" in c for c in result["cells"]) else 0
 
 

@@ -6,15 +6,13 @@ by parameter group, MSE against the failure level (from results/analysis/bias_va
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 
 import pandas as pd
 import seaborn as sns
 
-from mecefo.errors import UsageError, guarded
-from mecefo.results import measurement
+from mecefo.errors import guarded
+from mecefo.results import quick_flag, read_measurement
 
 from .common import save_figure, style
 
@@ -54,13 +52,8 @@ def figures(df: pd.DataFrame) -> list:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    quick = parser.parse_args(argv).quick
-    path = measurement("analysis", "bias_variance", quick)
-    if not path.exists():
-        raise UsageError(f"no {path}; run python -m analysis.bias_variance{' --quick' if quick else ''} first")
-    for p in figures(pd.DataFrame(json.loads(path.read_text())["rows"])):
+    result = read_measurement("analysis", "bias_variance", quick_flag(argv, __doc__), "analysis.bias_variance")
+    for p in figures(pd.DataFrame(result["rows"])):
         print(f"wrote {p}")
     return 0
 

@@ -6,28 +6,20 @@ against the paper's 0.6 (from results/analysis/grad_error-<profile>.json only).
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 
 import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
 
-from mecefo.errors import UsageError, guarded
-from mecefo.results import measurement
+from mecefo.errors import guarded
+from mecefo.results import quick_flag, read_measurement
 
 from .common import save_figure, style
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    quick = parser.parse_args(argv).quick
-    path = measurement("analysis", "grad_error", quick)
-    if not path.exists():
-        raise UsageError(f"no {path}; run python -m analysis.grad_error{' --quick' if quick else ''} first")
-    result = json.loads(path.read_text())
+    result = read_measurement("analysis", "grad_error", quick_flag(argv, __doc__), "analysis.grad_error")
     bound, rows, levels = result["paper_bound"], result["points"], list(result["levels"])
     style()
     fig, ax = plt.subplots(figsize=(6, 3.6))

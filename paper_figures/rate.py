@@ -6,8 +6,6 @@ sweep's failure-free curves against n x step (from results/analysis/rate-<profil
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 
 import matplotlib.pyplot as plt
@@ -15,8 +13,8 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
-from mecefo.errors import UsageError, guarded
-from mecefo.results import measurement
+from mecefo.errors import guarded
+from mecefo.results import quick_flag, read_measurement
 
 from .common import save_figure, style
 
@@ -48,13 +46,7 @@ def figures(result: dict) -> list:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    quick = parser.parse_args(argv).quick
-    path = measurement("analysis", "rate", quick)
-    if not path.exists():
-        raise UsageError(f"no {path}; run python -m analysis.rate{' --quick' if quick else ''} first")
-    for p in figures(json.loads(path.read_text())):
+    for p in figures(read_measurement("analysis", "rate", quick_flag(argv, __doc__), "analysis.rate")):
         print(f"wrote {p}")
     return 0
 

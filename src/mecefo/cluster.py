@@ -182,7 +182,7 @@ class LocalCluster(_Common):
     def transition(self, plan: StepPlan, optimizer) -> None:
         """Nothing is lost in one process: the single model is everyone's state."""
 
-    def sync_for_io(self, failed: frozenset[int], optimizer) -> None:
+    def sync_for_io(self, optimizer) -> None:
         pass
 
 
@@ -253,7 +253,7 @@ class TorchCluster(_Common):
         self._broadcast_state(0, optimizer)
         return box[0]["step"]
 
-    def sync_for_io(self, failed: frozenset[int], optimizer) -> None:
+    def sync_for_io(self, optimizer) -> None:
         """Before rank 0 evaluates or writes a checkpoint: give it the current state if it has none."""
         if 0 not in self.valid:
             self._broadcast_state(min(self.valid), optimizer)
@@ -319,7 +319,7 @@ class ShardedCluster(TorchCluster):
     def transition(self, plan: StepPlan, optimizer) -> None:
         """Nothing is lost: every rank keeps its shard."""
 
-    def sync_for_io(self, failed: frozenset[int], optimizer) -> None:
+    def sync_for_io(self, optimizer) -> None:
         pass
 
     def updates(self, plan: StepPlan) -> bool:

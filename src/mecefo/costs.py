@@ -28,7 +28,6 @@ from torch's MemTracker under FakeTensorMode.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -216,9 +215,3 @@ def training_memory(cfg: ModelConfig, shape: Shape, ranks: int = 1, shard: str =
                              saved_activation_bytes(cfg, shape, techniques, r))
     out["total"] = sum(out.values())
     return out
-
-
-def fmt_bytes(n: float) -> str:
-    units = ["B", "KiB", "MiB", "GiB", "TiB"]
-    i = min(len(units) - 1, int(math.log(max(n, 1), 1024)))
-    return f"{n / 1024 ** i:.2f} {units[i]}"

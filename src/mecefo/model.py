@@ -44,7 +44,7 @@ class ModelConfig:
         return self.dim // self.n_heads
 
 
-# The paper's shapes are those of the GaLore lineage of LLaMA configs (see ../shared/PAPER.md);
+# The paper's shapes are those of the GaLore lineage of LLaMA configs (see docs/paper.md);
 # nano/tiny/small are ours, sized for tests, CPU experiments and a mid-size CPU check.
 PRESETS: dict[str, ModelConfig] = {
     "nano": ModelConfig(vocab_size=512, dim=32, n_layers=2, n_heads=4, ffn_dim=96, max_seq_len=256),

@@ -29,6 +29,25 @@ def profile(quick: bool) -> str:
     return "quick" if quick else "default"
 
 
+def quick_flag(argv: list[str] | None, description: str) -> bool:
+    """The --quick flag of an experiment, analysis or figure CLI (the only option most of them take)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the CI-sized profile")
+    return parser.parse_args(argv).quick
+
+
+def read_measurement(experiment: str, name: str, quick: bool, producer: str) -> dict:
+    """results/<experiment>/<name>-<profile>.json, or a UsageError naming the module that writes it."""
+    from .errors import UsageError
+
+    path = measurement(experiment, name, quick)
+    if not path.exists():
+        raise UsageError(f"no {path}; run python -m {producer}{' --quick' if quick else ''} first")
+    return json.loads(path.read_text())
+
+
 def load_config(name: str, **overrides):
     """experiments/configs/<name>.toml with CLI-style overrides."""
     from . import config as config_mod

@@ -38,6 +38,7 @@ from .model import GPT, count_parameters, preset
 from .neighbour import LowRankWgrad, Techniques
 from .plan import rank_flops
 from .records import atomic_write_json, git_commit, package_versions
+from .stats import relative_error
 
 
 def lr_at(step: int, optim: config_mod.OptimConfig, total_steps: int) -> float:
@@ -207,7 +208,7 @@ class Run:
         self.metrics = open(metrics_path, "a") if self.main else None
         _log(_schedule_line(self.cfg, self.schedule), self.quiet)
         if start == 0:
-            self.record({"step": 0, "val_loss": self.evaluate("val", frozenset()), "tokens_seen": 0})
+            self.record({"step": 0, "val_loss": self.evaluate("val"), "tokens_seen": 0})
         return start
 
     def record(self, row: dict) -> None:
@@ -215,14 +216,14 @@ class Run:
             self.metrics.write(json.dumps(row) + "\n")
             self.metrics.flush()
 
-    def evaluate(self, split: str, failed: frozenset[int]) -> float | None:
-        self.cluster.sync_for_io(failed, self.optimizer)
+    def evaluate(self, split: str) -> float | None:
+        self.cluster.sync_for_io(self.optimizer)
         if self.main or self.cluster.every_rank_evaluates:
             return evaluate(self.model, self.data, split, self.device, self.cfg.train.precision)
         return None
 
-    def save(self, step: int, failed: frozenset[int]) -> None:
-        self.cluster.sync_for_io(failed, self.optimizer)
+    def save(self, step: int) -> None:
+        self.cluster.sync_for_io(self.optimizer)
         if not self.cluster.parameters_finite():  # a finite loss can still be followed by a non-finite update
             raise TrainingStopped(f"step {step}: the parameters are not finite after the update; the last checkpoint "
                                   f"in {self.out} is kept")
@@ -285,7 +286,7 @@ class Run:
             self.policy.after_step(step, self.model, self.optimizer)
             self.progress.wall_time_s = row["wall_time_s"] = wall0 + time.perf_counter() - t0
             if step % tc.eval_every == 0 or step == tc.steps:
-                row["val_loss"] = self.evaluate("val", plan.failed)
+                row["val_loss"] = self.evaluate("val")
             self.record(row)
             bar.update(1)
             bar.set_postfix(loss="skipped" if plan.skipped else f"{row['loss']:.3f}", failed=len(plan.failed))
@@ -299,7 +300,7 @@ class Run:
                      f"{row['tokens_per_s']:.0f} tok/s" + (f" val_loss {row['val_loss']:.4f}" if row.get("val_loss") else ""),
                      self.quiet)
             if (tc.checkpoint_every and step % tc.checkpoint_every == 0) or step == end:
-                self.save(step, plan.failed)
+                self.save(step)
         bar.close()
         if self.metrics:
             self.metrics.close()
@@ -307,8 +308,7 @@ class Run:
     def summary(self) -> dict:
         """Final evaluation; rank 0 writes summary.json and prints the last line."""
         tc, p = self.cfg.train, self.progress
-        last_failed = self.schedule.failed[-1]
-        val_loss, test_loss = self.evaluate("val", last_failed), self.evaluate("test", last_failed)
+        val_loss, test_loss = self.evaluate("val"), self.evaluate("test")
         agreement = self.cluster.agreement()
         if not self.main:
             return {}
@@ -360,14 +360,8 @@ def _failure_free_gradient(cluster, plan, cfg: Config) -> list[torch.Tensor]:
 
 
 def _relative_error(model: GPT, exact: list[torch.Tensor]) -> float:
-    """Assumption 3's ||g~ - g|| / ||g|| (mecefo.stats.relative_error), over all parameters."""
-    approx = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
-
-    def squares(t: torch.Tensor) -> float:
-        s = (t.double() ** 2).sum()
-        return (s.full_tensor() if hasattr(s, "full_tensor") else s).item()  # FSDP shards: sum over ranks
-
-    return math.sqrt(sum(squares(a - e) for a, e in zip(approx, exact)) / sum(squares(e) for e in exact))
+    """mecefo.stats.relative_error of the aggregated gradient against the failure-free one, all parameters."""
+    return relative_error([p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()], exact)
 
 
 def _agree(cfg: Config, decide):

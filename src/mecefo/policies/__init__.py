@@ -163,6 +163,14 @@ def get(name: str, trainer: bool = False) -> type[Policy]:
     return registry()[name]
 
 
+def table() -> str:
+    """The README's policy table, from the registry."""
+    lines = ["| policy | what it does | trainer | simulator | exact |", "|---|---|---|---|---|"]
+    for name, cls in registry().items():
+        lines.append(f"| `{name}` | {cls.summary} | {'yes' if cls.trains else 'no'} | yes | {'yes' if cls.exact else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
 # ------------------------------------------------------------------------------ shared by several policies
 def neighbour_cover(failed, alive, pieces, accum, batch, techniques) -> dict[int, int]:
     """Neighbour-do-both: each failed rank's neighbour (mecefo.plan.assign_neighbours) computes its own and
@@ -205,4 +213,5 @@ def techniques_of(config):
     return MECEFO if config is None else Techniques.parse(config.techniques)
 
 
-__all__ = ["NORMAL", "Policy", "register", "registry", "get", "plan_step", "trainer_policies", "simulator_policies"]
+__all__ = ["NORMAL", "Policy", "register", "registry", "get", "plan_step", "table", "trainer_policies",
+           "simulator_policies"]
