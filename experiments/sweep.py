@@ -181,10 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         atomic_write_text(path, script)
         atomic_write_json(RESULTS / "sweep" / "full_memory.json", memory)
         for name, mem in memory.items():
-            print(f"{name}: {mem['total'] / 1e9:.1f} GB per GPU (shard={mem['shard']}; parameters "
-                  f"{mem['parameters'] / 1e9:.1f}, gradients {mem['gradients'] / 1e9:.1f}, AdamW "
-                  f"{mem['optimizer_states'] / 1e9:.1f}, activations {mem['activations'] / 1e9:.1f}) of "
-                  f"{GPU_BYTES / 1e9:.0f} GB")
+            parts = ", ".join(f"{k} {mem[k] / 1e9:.1f}" for k in ("parameters", "gradients", "optimizer_states",
+                                                                    "gathered", "autocast", "bases", "activations"))
+            print(f"{name}: {mem['total'] / 1e9:.1f} GB per GPU of {GPU_BYTES / 1e9:.0f} (shard={mem['shard']}; {parts})")
         print(f"paper-scale commands (dry-run checked: configs resolve, shapes instantiate on meta, memory fits) -> {path}")
         return 0
     result = run_sweep("quick" if args.quick else "default", tuple(p for p in args.policies.split(",") if p))

@@ -194,20 +194,25 @@ def training_memory(cfg: ModelConfig, shape: Shape, ranks: int = 1, shard: str =
     """Bytes one GPU needs for one rank's training step (fp32 parameters, fp32 AdamW, bf16 autocast):
         static    parameters 4P + gradients 4P + AdamW moments 8P, each divided by n under shard='fsdp'
         gathered  (fsdp) the whole-tensor copies FSDP2 holds at once: the root unit (embedding, LM head,
-                  final norm: 4(2VD + D)) and two blocks (the one computing and the one prefetched),
-                  parameters and their unsharded gradients: 2 x 2 x 4(4D^2 + 3DF + 2D)
+                  final norm) with its unsharded gradients, 2 x 4(2VD + D), and two blocks (the one computing
+                  and the one prefetched), parameters and their unsharded gradients: 2 x 2 x 4(4D^2 + 3DF + 2D)
+        autocast  the bf16 copies of every linear weight that autocast makes in the forward pass and backward
+                  keeps: 2 (L (4D^2 + 3DF) + VD), whole-model under FSDP too (they outlive resharding)
         bases     V1 of every FFN matrix (n x r fp32) when a neighbour uses low_rank_wgrad
         activations  the larger of a normal and a `techniques` micro-batch's saved tensors, counted in fp32
                   (an upper bound under autocast, where the residual stream stays fp32 anyway): micro-batches
                   run one after another, so one micro-batch is live at a time
-    P = mecefo.model.count_parameters(cfg). CUDA context and allocator fragmentation are not included."""
+    P = mecefo.model.count_parameters(cfg). Not included: CUDA context, allocator fragmentation, and the
+    whole-model snapshot checkpoint-restart keeps (16P more; that policy is not run sharded)."""
     from .model import count_parameters
 
     p = count_parameters(cfg)
     div = ranks if shard == "fsdp" else 1
     out = {"parameters": 4 * p // div, "gradients": 4 * p // div, "optimizer_states": 8 * p // div}
     block = 4 * cfg.dim ** 2 + 3 * cfg.dim * cfg.ffn_dim + 2 * cfg.dim
-    out["gathered"] = 4 * (2 * cfg.vocab_size * cfg.dim + cfg.dim) + 2 * 2 * 4 * block if shard == "fsdp" else 0
+    root = 2 * cfg.vocab_size * cfg.dim + cfg.dim
+    out["gathered"] = 2 * 4 * root + 2 * 2 * 4 * block if shard == "fsdp" else 0
+    out["autocast"] = 2 * (cfg.n_layers * (4 * cfg.dim ** 2 + 3 * cfg.dim * cfg.ffn_dim) + cfg.vocab_size * cfg.dim)
     out["bases"] = 0
     if techniques.low_rank_wgrad:
         out["bases"] = cfg.n_layers * sum(4 * n * w for _, n, w in ffn_matrices(cfg, r))
