@@ -104,3 +104,36 @@ def test_events_at_step_boundaries():
     s = from_events(2, 4, 10.0, [Event(10.0, "remove", 1), Event(30.0, "add", 1)])
     assert [sorted(f) for f in s.failed] == [[], [1], [1], []]
     assert s.new_failures(1) == {1} and s.new_failures(2) == frozenset()
+
+
+@pytest.mark.parametrize("recovery", ["fixed", "exponential"])
+@pytest.mark.parametrize("name", ["low", "high"])
+def test_a_stationary_start_has_table_1s_failed_fraction_from_the_first_step(name, recovery):
+    """Little's law from step 0: the mean failed fraction over the first 10 steps (the first 10 minutes) is
+    within 4 standard errors (over seeds) of recovery / (32 interval); a cold start has nobody down at 0."""
+    sc = SCENARIOS[name]
+    first = np.array([np.mean([len(f) for f in generate(sc, 32, 10, 60.0, seed, recovery, start="stationary").failed]) / 32
+                      for seed in range(400)])
+    se = first.std(ddof=1) / np.sqrt(len(first))
+    assert abs(first.mean() - sc.expected_failed_fraction()) < 4 * se + 1e-3, (first.mean(), sc.expected_failed_fraction(), se)
+    assert all(not generate(sc, 32, 10, 60.0, seed, recovery).failed[0] for seed in range(50))
+
+
+def test_a_stationary_start_draws_the_residual_recovery_correctly():
+    """Fixed recovery R: a rank down at step 0 comes back after a residual uniform on (0, R)."""
+    sc = SCENARIOS["high"]
+    residual = []
+    for seed in range(300):
+        s = generate(sc, 32, 10, 60.0, seed, start="stationary")
+        back = {e.rank: e.time_s for e in s.events if e.kind == "add"}
+        residual += [back[r] / 3600 for r in s.initially_down]
+    residual = np.array(residual)
+    assert len(residual) > 500 and residual.max() <= sc.recovery_h
+    assert residual.mean() == pytest.approx(sc.recovery_h / 2, abs=4 * residual.std() / np.sqrt(len(residual)))
+
+
+def test_a_stationary_schedule_exports_and_replays_the_same(tmp_path):
+    s = generate(SCENARIOS["high"], 8, 200, 120.0, seed=1, start="stationary")
+    assert s.initially_down
+    export_trace(s, tmp_path / "t.csv")
+    assert read_trace(tmp_path / "t.csv", 8, 200, 120.0).failed == s.failed

@@ -37,6 +37,7 @@ class ClusterConfig:
     techniques: str = "mecefo"  # what mecefo's neighbours / spread-mecefo's extra shares apply
     seconds_per_step: float = 44.0  # maps the scenarios' hours to steps (see README)
     recovery: str = "fixed"  # fixed | exponential
+    failure_start: str = "stationary"  # stationary (ranks already down at step 0 as in steady state) | cold (all alive)
     failable: str = ""  # asymmetric mode: comma-separated ranks that can fail ("" = all)
     all_down: str = "skip"  # skip (log and skip the step) | error
     restart_every: int = 50  # checkpoint-restart: steps between checkpoints
@@ -64,6 +65,8 @@ class ClusterConfig:
             raise UsageError(f"cluster.techniques: {e}") from None
         if self.seconds_per_step <= 0:
             raise UsageError(f"cluster.seconds_per_step={self.seconds_per_step} must be positive")
+        if self.failure_start not in ("stationary", "cold"):
+            raise UsageError(f"cluster.failure_start={self.failure_start!r}; allowed: 'stationary', 'cold'")
         if self.all_down not in ("skip", "error"):
             raise UsageError(f"cluster.all_down={self.all_down!r}; allowed: 'skip', 'error'")
         if self.restart_every < 1 or self.low_rank_tau < 1 or self.r <= 0:

@@ -8,6 +8,12 @@ drawn uniformly among the alive ranks that can fail (all, or a fixed subset in a
 fixed (or, optionally, exponential) recovery time. By Little's law the expected fraction of failed ranks
 is about recovery_h / (32 interval_h): 6.25 % (low), 9.4 % (mid), 12.5 % (high).
 Hours become steps through `seconds_per_step`: rank r is failed at step s if it is down at time s * seconds_per_step.
+
+Start: 'stationary' (the trainer's default) runs the same process from 10 recovery times before step 0
+and keeps what overlaps the run, so that at step 0 each rank is already down with the stationary
+probability, with the residual recovery time the process itself gives it (uniform on (0, R) for a fixed
+recovery R, exponential for exponential recovery); 'cold' starts with every rank alive, so that over a
+run of H hours the failed fraction is only about 1 - R / (2H) of the stationary one.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ class Schedule:
     failed: tuple[frozenset[int], ...]  # one entry per step
     events: tuple[Event, ...]
     seconds_per_step: float
+    initially_down: frozenset[int] = frozenset()  # down at time 0 (their "remove" came before the run)
 
     def fraction_failed(self) -> float:
         return float(np.mean([len(f) for f in self.failed])) / self.n_ranks if self.failed else 0.0
@@ -74,22 +81,26 @@ class Schedule:
 
 
 def generate(scenario: FailureScenario, n_ranks: int, steps: int, seconds_per_step: float, seed: int,
-             recovery: str = "fixed", failable: tuple[int, ...] | None = None) -> Schedule:
+             recovery: str = "fixed", failable: tuple[int, ...] | None = None, start: str = "cold") -> Schedule:
     """Sample a schedule: Poisson arrivals at rate n / (32 interval_h) per hour (all arrivals land on the
     `failable` subset in asymmetric mode), the failed rank uniform among alive failable ranks (an arrival
-    finding none alive is lost), recovery after recovery_h (fixed) or Exp(mean recovery_h)."""
+    finding none alive is lost), recovery after recovery_h (fixed) or Exp(mean recovery_h); from a cold or
+    a stationary start (module docstring)."""
     if recovery not in ("fixed", "exponential"):
         raise UsageError(f"cluster.recovery={recovery!r}; allowed: 'fixed', 'exponential'")
+    if start not in ("stationary", "cold"):
+        raise UsageError(f"cluster.failure_start={start!r}; allowed: 'stationary', 'cold'")
     pool = tuple(range(n_ranks)) if failable is None else tuple(failable)
     if any(not 0 <= r < n_ranks for r in pool):
         raise UsageError(f"cluster.failable={list(pool)} must name ranks in 0..{n_ranks - 1}")
     horizon = steps * seconds_per_step
-    rng = np.random.default_rng([seed, n_ranks, 7919])
+    rng = np.random.default_rng([seed, n_ranks, 7919] + ([1] if start == "stationary" else []))
     events: list[Event] = []
+    begin = -10 * scenario.recovery_h * 3600.0 if start == "stationary" else 0.0
     if scenario.interval_h != float("inf") and pool:
         rate_per_s = n_ranks / (REFERENCE_RANKS * scenario.interval_h * 3600.0)
-        down_until = {r: -1.0 for r in pool}
-        t = rng.exponential(1 / rate_per_s)
+        down_until = {r: begin - 1.0 for r in pool}
+        t = begin + rng.exponential(1 / rate_per_s)
         while t < horizon:
             alive = [r for r in pool if down_until[r] <= t]
             if alive:
@@ -98,7 +109,10 @@ def generate(scenario: FailureScenario, n_ranks: int, steps: int, seconds_per_st
                 down_until[rank] = t + hours * 3600.0
                 events += [Event(t, "remove", rank), Event(t + hours * 3600.0, "add", rank)]
             t += rng.exponential(1 / rate_per_s)
-    return from_events(n_ranks, steps, seconds_per_step, events)
+    pairs = zip(events[0::2], events[1::2])  # each failure: its remove, then its add
+    down_at_0 = frozenset(rem.rank for rem, add in pairs if rem.time_s < 0 < add.time_s)
+    events = [e for e in events if e.time_s >= 0]
+    return from_events(n_ranks, steps, seconds_per_step, events, down_at_0)
 
 
 def from_events(n_ranks: int, steps: int, seconds_per_step: float, events: list[Event],
@@ -111,12 +125,13 @@ def from_events(n_ranks: int, steps: int, seconds_per_step: float, events: list[
             (down.add if events[i].kind == "remove" else down.discard)(events[i].rank)
             i += 1
         failed.append(frozenset(down))
-    return Schedule(n_ranks, tuple(failed), tuple(events), seconds_per_step)
+    return Schedule(n_ranks, tuple(failed), tuple(events), seconds_per_step, frozenset(initially_down))
 
 
 def export_trace(schedule: Schedule, path: str | Path) -> None:
     """Write `t_ms,add|remove,nodeN` rows: every rank added at 0 ms (node{r+1} is rank r), then the events."""
     rows = [(0, "add", f"node{r + 1}") for r in range(schedule.n_ranks)]
+    rows += [(0, "remove", f"node{r + 1}") for r in sorted(schedule.initially_down)]
     rows += [(round(e.time_s * 1000), e.kind, f"node{e.rank + 1}") for e in schedule.events]
     with open(path, "w", newline="") as f:
         csv.writer(f).writerows(rows)
@@ -173,10 +188,10 @@ def scenario(spec: str) -> FailureScenario:
 
 
 def resolve(spec: str, n_ranks: int, steps: int, seconds_per_step: float, seed: int, recovery: str = "fixed",
-            failable: tuple[int, ...] | None = None) -> Schedule:
-    """A scenario (name or custom:...) or the path of a trace CSV."""
+            failable: tuple[int, ...] | None = None, start: str = "cold") -> Schedule:
+    """A scenario (name or custom:...) or the path of a trace CSV (a trace starts as it says)."""
     if spec in SCENARIOS or spec.startswith("custom:"):
-        return generate(scenario(spec), n_ranks, steps, seconds_per_step, seed, recovery, failable)
+        return generate(scenario(spec), n_ranks, steps, seconds_per_step, seed, recovery, failable, start)
     if spec.endswith(".csv") or Path(spec).exists():
         return read_trace(spec, n_ranks, steps, seconds_per_step)
     return generate(scenario(spec), n_ranks, steps, seconds_per_step, seed, recovery, failable)  # raises
