@@ -18,6 +18,7 @@ step "randomized SVD of V1 against the exact SVD (trained and 1B-shaped weights)
 python -m experiments.svd_accuracy $quick
 step "training-step benchmark (ours vs a plain reference loop)"
 python -m experiments.bench_train $quick
+python -m experiments.bench_ranks $quick
 
 step "neighbour cost ablation (the paper's Table 6)"
 python -m experiments.ablation $quick

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from . import checkpoint, policies
@@ -118,15 +119,35 @@ class _Common:
             self._neighbours[t] = Neighbour(t, self.lowrank)
         return self._neighbours[t]
 
-    def run_piece(self, p: Piece, weight: float) -> float:
-        """Forward and backward of one piece, weight * gradient accumulated into .grad; returns its loss."""
+    def rows(self, p: Piece) -> tuple[np.ndarray, np.ndarray]:
+        """The piece's rows of its owner's micro-batch (inputs, targets)."""
         x, y = self.data.micro_batch(self.seed, self.current_step, rank=p.owner, micro=p.micro, n_ranks=self.n_ranks)
-        x = torch.as_tensor(x[p.start:p.stop], device=self.device)
-        y = torch.as_tensor(y[p.start:p.stop], device=self.device)
+        return x[p.start:p.stop], y[p.start:p.stop]
+
+    def forward_backward(self, x: np.ndarray, y: np.ndarray, techniques: Techniques, weight: float) -> float:
+        """Forward and backward of the rows, weight * gradient of their mean loss accumulated into .grad;
+        returns the mean loss."""
+        x, y = torch.as_tensor(x, device=self.device), torch.as_tensor(y, device=self.device)
         with self.autocast():
-            loss = self.model(x, y, neighbour=self.neighbour(p.techniques))
+            loss = self.model(x, y, neighbour=self.neighbour(techniques))
         (loss * weight).backward() if weight != 1 else loss.backward()
         return loss.item()
+
+    def run_piece(self, p: Piece, weight: float) -> float:
+        """Forward and backward of one piece, weight * gradient accumulated into .grad; returns its loss."""
+        return self.forward_backward(*self.rows(p), p.techniques, weight)
+
+    def run_batch(self, pieces: list[Piece]) -> tuple[float, float]:
+        """Pieces with the same techniques in one forward and backward, their rows concatenated: with R rows
+        of micro-batches of b rows, sum_p w_p grad(mean loss of p) = (R / b) grad(mean loss of the R rows),
+        and sum_p w_p = R / b. Returns (sum w * loss, sum w)."""
+        if len({(p.techniques, p.batch) for p in pieces}) != 1:
+            raise ValueError("a batch needs pieces of one technique set and one micro-batch size")
+        rows = [self.rows(p) for p in pieces]
+        weight = sum(p.weight for p in pieces)
+        loss = self.forward_backward(np.concatenate([x for x, _ in rows]), np.concatenate([y for _, y in rows]),
+                                     pieces[0].techniques, weight)
+        return loss * weight, weight
 
     def run_pieces(self, pieces) -> tuple[float, float]:
         """Forward and backward of the pieces, gradients accumulated into .grad; returns (sum w*loss, sum w)."""
@@ -167,15 +188,22 @@ class _Common:
 
 
 class LocalCluster(_Common):
-    """n ranks simulated in one process: their pieces run one after another into the same .grad."""
+    """n ranks simulated in one process, into the same .grad. The pieces of all ranks that share a
+    micro-batch index and a technique set run as one batch (the model's weights are the same on every
+    rank), so a step costs about what it costs one rank with the whole global batch, whatever n."""
 
     def step(self, plan: StepPlan) -> StepResult:
         self.current_step = plan.step
         self.model.zero_grad(set_to_none=True)
-        loss_sum, weight_sum = 0.0, 0.0
+        batches: dict[tuple[int, Techniques], list[Piece]] = {}
         for rank in sorted(plan.pieces):
-            ls, ws = self.run_pieces(plan.pieces[rank])
+            for p in plan.pieces[rank]:
+                batches.setdefault((p.micro, p.techniques), []).append(p)
+        loss_sum, weight_sum = 0.0, 0.0
+        for pieces in batches.values():
+            ls, ws = self.run_batch(pieces)
             loss_sum, weight_sum = loss_sum + ls, weight_sum + ws
+        self.lowrank.finish()
         self.normalise(plan.counts(len(self.model.layers)))
         return StepResult(loss_sum / max(weight_sum, 1e-12), plan.samples())
 
