@@ -10,7 +10,7 @@ three at each r, each with one failed rank (rank 1, covered by rank 2); then `me
 failure level, drawing failures independently per rank with the level's expected failed fraction.
 Reference gradient: the failure-free aggregated gradient averaged over many batches (its standard error is
 reported). Monte Carlo over batches (and failure draws), bootstrap intervals (mecefo.stats).
-Writes results/analysis/bias_variance-<profile>.json and paper_figures/out/bias_variance_*.png|pdf.
+Writes results/analysis/bias_variance-<profile>.json; python -m paper_figures.bias_variance draws it.
 """
 
 from __future__ import annotations

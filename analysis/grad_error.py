@@ -5,7 +5,7 @@ same batches, for each failure level; the paper reports it below 0.6 throughout 
     python -m analysis.grad_error [--quick]
 
 Trains with `cluster.track_grad_error = true` (results/analysis/grad_error/<preset>-<hash>/, reused) and
-writes results/analysis/grad_error-<profile>.json and paper_figures/out/grad_error.png|pdf.
+writes results/analysis/grad_error-<profile>.json; python -m paper_figures.grad_error draws it.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@
     `drop` averages the survivors. Momentum SGD (beta = 0.9) with the theory's step eta = c sqrt(n / T).
     The quantity is (1/T) sum_t ||grad f(x_t)||^2 averaged over seeds; its slope against nT should be -1/2.
 (b) From results/sweep: training loss and gradient norm of the failure-free GPT runs against n x step.
-Writes results/analysis/rate-<profile>.json and paper_figures/out/rate_*.png|pdf.
+Writes results/analysis/rate-<profile>.json; python -m paper_figures.rate draws it.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ Rows: normal rank; naive NDB (two exact micro-batches); + skip_attention; + reco
 - wall time on this CPU (tiny and small only), normal and neighbour steps timed alternately in one run;
 - peak memory by category from torch's MemTracker under FakeTensorMode (tiny and small);
 - a memory-fit statement for one A100 80 GB per rank (assumptions in the JSON and the table notes).
-Writes results/ablation/ablation-<hash>.json; reruns with the same settings reuse it.
+Writes results/ablation/ablation-<profile>.json; a rerun with the same settings (their hash is in the file) reuses it.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ def cells(profile: str, extra: tuple[str, ...] = ()) -> list[Cell]:
         out = [Cell(n, "none", "none", 0) for n in (1, 4)]
         out += [Cell(4, "high", p, 0) for p in ("mecefo", "drop", "ndb-exact")]
         out += [Cell(4, "high", "mecefo", 0, t, "fig3") for t in ("skip_attention", "skip_ffn")]
-        return out + [Cell(4, "high", p, 0) for p in extra]
+        return list(dict.fromkeys(out + [Cell(4, "high", p, 0) for p in extra]))  # a policy already there: once
     seeds3 = (0, 1, 2)
     # failure-free runs do not depend on n (the global batch is split, the samples are the same): one seed
     # for n < 8 checks that, three for n = 8, the main comparison
@@ -65,7 +65,7 @@ def cells(profile: str, extra: tuple[str, ...] = ()) -> list[Cell]:
         out += [Cell(8, level, "spread-mecefo", 0)]
     out += [Cell(8, "high", p, 0) for p in ("ndb-exact", "spread", "checkpoint-restart")]
     out += [Cell(8, "high", "mecefo", 0, t, "fig3") for t in ("skip_attention", "skip_ffn")]
-    return out + [Cell(8, level, p, s) for p in extra for level in ("low", "mid", "high") for s in seeds3]
+    return list(dict.fromkeys(out + [Cell(8, level, p, s) for p in extra for level in ("low", "mid", "high") for s in seeds3]))
 
 
 def cell_config(base: str, cell: Cell):

@@ -41,7 +41,8 @@ def run_cell(job: Job, scenario: FailureScenario, seeds: int, policies=None, tra
     """Throughput (mean and 95% interval over seeds) and the mean time breakdown for each policy.
     Checkpoint-restart checkpoints at the Young/Daly interval of `tuned_for` (the same with and without failures)."""
     cost = CostModel(job)
-    out = {p: {"throughput": [], "breakdown": []} for p in (policies or simulator_policies())}
+    policies = tuple(policies or simulator_policies())
+    out = {p: {"throughput": [], "breakdown": []} for p in policies}
     for seed in range(seeds):
         events = scenario_events(scenario, job, HORIZON_S, seed) if scenario.name != "none" else []
         if trace_dir is not None and events:

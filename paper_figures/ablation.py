@@ -81,7 +81,7 @@ def table(result: dict) -> str:
             base = group[group["row"] == "normal rank"].iloc[0]["flops"]
             mecefo = group[group["row"].str.contains("MeCeFO")].set_index("r")["flops"]
             lines.append(f"| {name} | " + " | ".join(f"{mecefo[r] / base:.3f}" for r in r_values) + " |")
-    lines.append(f"\nSource: `{result['git_commit'][:12]}`, results/ablation (settings hash in the file name).\n")
+    lines.append(f"\nSource: `{result['git_commit'][:12]}`, results/ablation (settings and their hash in the file).\n")
     return "\n".join(lines)
 
 

@@ -137,3 +137,49 @@ def test_a_stationary_schedule_exports_and_replays_the_same(tmp_path):
     assert s.initially_down
     export_trace(s, tmp_path / "t.csv")
     assert read_trace(tmp_path / "t.csv", 8, 200, 120.0).failed == s.failed
+
+
+def _spot_trace(path):
+    """Bamboo's shape: 8 nodes at 0 ms; preemptions (a burst of 3 at once), replacements under new names,
+    one node back under its old name; nodes never come back under a preempted name otherwise."""
+    path.write_text("\n".join([*(f"0,add,node{i}" for i in range(1, 9)),
+                               "1000,remove,node2", "3000,remove,node5", "3000,remove,node6", "3000,remove,node7",
+                               "5000,add,node9", "6000,add,node10", "7000,remove,node1", "8000,add,node11",
+                               "9000,add,node12", "10000,add,node1", "12000,remove,node9"]) + "\n")
+
+
+def _trace_fraction(path, steps, sps):
+    """The trace's own down fraction per step: 1 - present / peak."""
+    rows = [line.split(",") for line in path.read_text().split()]
+    present, peak, out = set(), 0, []
+    for t, kind, node in rows:
+        (present.add if kind == "add" else present.discard)(node)
+        peak = max(peak, len(present))
+    for step in range(steps):
+        now = set()
+        for t, kind, node in rows:
+            if float(t) <= step * sps * 1000:
+                (now.add if kind == "add" else now.discard)(node)
+        out.append(1 - len(now) / peak)
+    return np.array(out)
+
+
+def test_a_spot_trace_replays_as_a_pool_replacements_bring_ranks_back(tmp_path):
+    path = tmp_path / "spot.csv"
+    _spot_trace(path)
+    s = read_trace(path, 8, 14, 1.0)
+    downs = [len(f) for f in s.failed]
+    assert downs == [0, 1, 1, 4, 4, 3, 2, 3, 2, 1, 0, 0, 1, 1]  # ranks come back with the replacements
+    assert np.allclose(np.array(downs) / 8, _trace_fraction(path, 14, 1.0))
+    assert s.failed[-1] != frozenset(range(8))
+
+
+@pytest.mark.parametrize("n", [2, 4, 16, 32])
+def test_a_trace_pool_of_another_size_is_scaled_to_n(tmp_path, n):
+    """The down fraction is the trace's scaled to n ranks (within rounding: 1 / (2 n) per step)."""
+    path = tmp_path / "spot.csv"
+    _spot_trace(path)
+    s = read_trace(path, n, 14, 1.0)
+    ours = np.array([len(f) for f in s.failed]) / n
+    assert np.all(np.abs(ours - _trace_fraction(path, 14, 1.0)) <= 1 / (2 * n) + 1e-12)
+    assert any(len(a) > len(b) for a, b in zip(s.failed, s.failed[1:]))  # and some ranks do come back

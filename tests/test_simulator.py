@@ -106,3 +106,21 @@ def test_drop_loses_the_failed_replicas_samples():
 def test_bad_policy():
     with pytest.raises(ValueError, match="policy"):
         simulate(JOB, "hope", [], H)
+
+
+def test_a_spot_trace_replays_in_the_simulator_with_gpus_coming_back(tmp_path):
+    """The reader the trainer uses: preempted nodes never return, replacements do, so GPUs come back."""
+    from tests.test_failures import _spot_trace
+
+    path = tmp_path / "spot.csv"
+    _spot_trace(path)
+    s = read_trace(path, JOB.gpus, 1, 1.0)
+    down = set(s.initially_down)
+    peak = 0
+    for e in sorted(s.events, key=lambda e: e.time_s):
+        (down.add if e.kind == "remove" else down.discard)(e.rank)
+        peak = max(peak, len(down))
+    assert peak == 8 and len(down) == 2  # 4 of 8 trace nodes down at worst; 1 of 8 at the end, scaled to 16
+    scaled = [Event(e.time_s * 600, e.kind, e.rank) for e in s.events]  # seconds -> 10-minute ticks
+    out = simulate(JOB, "mecefo", scaled, 14 * 600.0, initially_down=s.initially_down)
+    assert out.tokens > 0 and out.events == sum(e.kind == "remove" for e in scaled)

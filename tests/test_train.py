@@ -134,3 +134,18 @@ def test_cuda_bf16_training(nano_cfg, tmp_path):
     cfg = config_mod.with_overrides(nano_cfg, train={"device": "cuda", "steps": 20})
     summary = run(cfg, tmp_path / "cuda", quiet=True)
     assert summary["device"].startswith("cuda") and summary["final_val_loss"] < math.log(512) - 0.3
+
+
+@pytest.mark.parametrize("how", ["cli", "toml"])
+def test_the_old_low_rank_key_is_refused_naming_r(tmp_path, capsys, how):
+    from experiments.common import CONFIGS
+
+    args = ["--config", str(CONFIGS / "nano.toml"), "--out", str(tmp_path / "o")]
+    if how == "cli":
+        args += ["--low_rank", "0.1"]
+    else:
+        cfg = tmp_path / "c.toml"
+        cfg.write_text((CONFIGS / "nano.toml").read_text() + "\n[cluster]\nlow_rank = 0.1\n")
+        args[1] = str(cfg)
+    assert main(args) == 2
+    assert "renamed: use" in capsys.readouterr().err and not (tmp_path / "o").exists()

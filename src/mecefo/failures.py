@@ -137,14 +137,12 @@ def export_trace(schedule: Schedule, path: str | Path) -> None:
         csv.writer(f).writerows(rows)
 
 
-def read_trace(path: str | Path, n_ranks: int, steps: int, seconds_per_step: float) -> Schedule:
-    """Replay a trace on n ranks. Nodes map to ranks in order of first appearance; a node whose first
-    event is a removal, or that is first added after 0 ms, starts down; nodes beyond n ranks are ignored."""
-    path = Path(path)
+def _parse_trace(path: Path) -> list[tuple[float, str, str]]:
+    """The (seconds, add|remove, node) rows of a trace, in file order; a malformed row is a UsageError naming
+    file:line."""
     if not path.is_file():
         raise UsageError(f"failure trace {path} does not exist")
-    ranks: dict[str, int] = {}
-    events, initially_down = [], set()
+    rows = []
     with open(path, newline="") as f:
         for lineno, row in enumerate(csv.reader(f), start=1):
             if not row or all(not c.strip() for c in row):
@@ -157,17 +155,82 @@ def read_trace(path: str | Path, n_ranks: int, steps: int, seconds_per_step: flo
                 raise UsageError(f"{path}:{lineno}: time {row[0]!r} is not a number of milliseconds") from None
             if t_ms < 0:
                 raise UsageError(f"{path}:{lineno}: negative time {row[0]}")
-            node, kind = row[2].strip(), row[1].strip()
-            if node not in ranks:
-                if len(ranks) >= n_ranks:
-                    continue
-                ranks[node] = len(ranks)
-                if kind == "remove" or t_ms > 0:
-                    initially_down.add(ranks[node])
-                if kind == "add" and t_ms == 0:
-                    continue
-            events.append(Event(t_ms / 1000.0, kind, ranks[node]))
-    return from_events(n_ranks, steps, seconds_per_step, events, frozenset(initially_down))
+            rows.append((t_ms / 1000.0, row[1].strip(), row[2].strip()))
+    return rows
+
+
+def trace_slots(rows: list[tuple[float, str, str]]) -> tuple[int, list[Event], frozenset[int]]:
+    """A trace as a pool of P slots, P its largest number of nodes present at once: (P, slot events,
+    slots down at 0). Nodes present at 0 ms take slots 0, 1, ... in order of appearance; a node added later
+    (a replacement, under a new name or its old one) takes its old slot if that is free, else the lowest
+    free slot; a removal frees the node's slot. A slot is down while no node holds it."""
+    rows = sorted(rows, key=lambda r: r[0])  # stable: at equal times, file order
+    present, peak = set(), 0
+    for _, kind, node in rows:
+        (present.add if kind == "add" else present.discard)(node)
+        peak = max(peak, len(present))
+    slot_of: dict[str, int] = {}
+    holder: dict[int, str] = {}
+    events: list[Event] = []
+    started = [node for t, kind, node in rows if t == 0 and kind == "add"]
+    for node in dict.fromkeys(started):
+        slot_of[node] = len(slot_of)
+        holder[slot_of[node]] = node
+    peak = max(peak, len(slot_of), 1)
+    down_at_0 = frozenset(range(len(holder), peak))
+    for t, kind, node in rows:
+        if t == 0 and kind == "add":
+            continue
+        if kind == "remove":
+            s = slot_of.get(node)
+            if s is not None and holder.get(s) == node:
+                del holder[s]
+                events.append(Event(t, "remove", s))
+            continue
+        if node in slot_of and holder.get(slot_of[node]) == node:
+            continue  # added twice
+        free = [s for s in range(peak) if s not in holder]
+        s = slot_of[node] if slot_of.get(node) in free else free[0]
+        slot_of[node], holder[s] = s, node
+        events.append(Event(t, "add", s))
+    return peak, events, down_at_0
+
+
+def scale_to_ranks(slots: int, events: list[Event], down_at_0: frozenset[int], n_ranks: int) -> tuple[list[Event], frozenset[int]]:
+    """Slot events of a P-slot pool as events of n ranks. P = n: rank r is slot r. Otherwise the down
+    fraction is scaled: after each slot event round(n d / P) ranks are down (d the slots down), a change
+    landing on the rank nearest the slot's scaled position floor(slot n / P) (the next alive one in ring
+    order going down, the one mirroring the slot or else the longest down coming back)."""
+    if slots == n_ranks:
+        return events, down_at_0
+    down_slots, down = set(down_at_0), []
+    target = lambda: round(n_ranks * len(down_slots) / slots)  # noqa: E731
+    for s in sorted(down_at_0):
+        if len(down) < target():
+            down.append(next((s * n_ranks // slots + k) % n_ranks for k in range(n_ranks)
+                             if (s * n_ranks // slots + k) % n_ranks not in down))
+    initially = frozenset(down)
+    out = []
+    for e in events:
+        (down_slots.add if e.kind == "remove" else down_slots.discard)(e.rank)
+        home = e.rank * n_ranks // slots
+        while len(down) < target():
+            r = next((home + k) % n_ranks for k in range(n_ranks) if (home + k) % n_ranks not in down)
+            down.append(r)
+            out.append(Event(e.time_s, "remove", r))
+        while len(down) > target():
+            r = home if home in down else down[0]
+            down.remove(r)
+            out.append(Event(e.time_s, "add", r))
+    return out, initially
+
+
+def read_trace(path: str | Path, n_ranks: int, steps: int, seconds_per_step: float) -> Schedule:
+    """Replay a trace (Bamboo's and Oobleck's `t_ms,add|remove,nodeN`) on n ranks: the trace is a pool of
+    slots (trace_slots: replacements take free slots, so ranks come back) scaled to n ranks (scale_to_ranks)."""
+    slots, events, down_at_0 = trace_slots(_parse_trace(Path(path)))
+    events, initially_down = scale_to_ranks(slots, events, down_at_0, n_ranks)
+    return from_events(n_ranks, steps, seconds_per_step, events, initially_down)
 
 
 def scenario(spec: str) -> FailureScenario:

@@ -6,7 +6,7 @@ results/<experiment>/...-<profile>.json        an experiment's or analysis's mea
 paper_figures/out/                             figures and tables drawn from results/ (paper_figures only)
 paper_figures/paper_numbers.json               the paper's numbers, each with its table or figure
 
-MECEFO_RESULTS points results/ elsewhere (the tests use a temporary folder).
+MECEFO_RESULTS points results/ elsewhere (e.g. a scratch folder for a trial run).
 """
 
 from __future__ import annotations

@@ -263,7 +263,7 @@ class Run:
         row = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                "tokens_seen": (step + 1) * self.tokens_per_step, "tokens_trained": p.tokens_trained,
                "samples": result.samples, "tokens_per_s": result.samples * dc.seq_len / (time.perf_counter() - t0),
-               "failed": sorted(plan.failed), "neighbours": {str(j): nb for j, nb in plan.neighbours.items()},
+               "down": sorted(self.schedule.failed[step]), "failed": sorted(plan.failed), "neighbours": {str(j): nb for j, nb in plan.neighbours.items()},
                "attention_ranks": plan.counts(1)["attention.0"] / dc.grad_accum, "skipped": plan.skipped,
                "busiest_rank_flops": max(per_rank.values(), default=0) / self.flops.normal_rank,
                "replayed_steps": self.policy.replayed_steps, "replay": step + 1 <= p.furthest, "grad_rel_error": rel_error}
@@ -444,7 +444,9 @@ def _log(msg: str, quiet: bool) -> None:
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, str]]:
     parser = argparse.ArgumentParser(prog="python -m mecefo.train", description=__doc__.splitlines()[0], allow_abbrev=False,
-                                     epilog="Any config field can be overridden: --steps 30 --lr 3e-4 --optim.warmup_steps 10")
+                                     epilog="Any config field can be overridden: --steps 30 --lr 3e-4 --optim.warmup_steps 10. "
+                                     "Policies (--policy): " + "; ".join(f"{n}: {c.summary}" for n, c in
+                                                                        policies.registry().items() if c.trains))
     parser.add_argument("--config", help="TOML file (experiments/configs/*.toml); defaults apply without one")
     parser.add_argument("--out", help="output folder (default results/runs/<preset>-<config hash>)")
     parser.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt (must exist)")

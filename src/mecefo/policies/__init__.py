@@ -36,7 +36,7 @@ _LOADED: set[str] = set()
 
 class Policy:
     name: ClassVar[str] = ""
-    summary: ClassVar[str] = ""  # one line: the README's policy table and the CLI's help
+    summary: ClassVar[str] = ""  # one line: the README's policy table and `python -m mecefo.train --help`
     order: ClassVar[int] = 100  # position in tables
     trains: ClassVar[bool] = True  # the trainer can run it (False: a throughput model only)
     exact: ClassVar[bool] = False  # computes every sample exactly: its quality is failure-free training's
