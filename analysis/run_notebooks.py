@@ -1,5 +1,5 @@
 """Execute every analysis notebook headless (nbclient) against results/, so that they never rot; the
-executed copies go to paper_figures/out/notebooks/.
+executed copies go to results/notebooks/.
 
     python -m analysis.run_notebooks
 """
@@ -13,7 +13,7 @@ import nbformat
 from nbclient import NotebookClient
 
 from mecefo.errors import guarded
-from mecefo.results import FIGURES as OUT
+from mecefo.results import RESULTS
 
 HERE = Path(__file__).resolve().parent
 
@@ -25,10 +25,10 @@ def execute(path: Path, timeout: int = 600) -> nbformat.NotebookNode:
 
 
 def main() -> int:
-    (OUT / "notebooks").mkdir(parents=True, exist_ok=True)
+    (RESULTS / "notebooks").mkdir(parents=True, exist_ok=True)
     for path in sorted(HERE.glob("*.ipynb")):
-        nbformat.write(execute(path), OUT / "notebooks" / path.name)
-        print(f"executed {path.name} -> {OUT / 'notebooks' / path.name}")
+        nbformat.write(execute(path), RESULTS / "notebooks" / path.name)
+        print(f"executed {path.name} -> {RESULTS / 'notebooks' / path.name}")
     return 0
 
 

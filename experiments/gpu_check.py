@@ -34,7 +34,7 @@ import torch
 from mecefo.costs import Shape, analytic_flops, training_memory
 from mecefo.model import GPT, count_parameters, preset
 from mecefo.neighbour import (MECEFO, LowRankWgrad, Neighbour, Techniques, exact_right_basis, randomized_right_basis,
-                             resolve_rank)
+                             resolve_r)
 from mecefo.records import atomic_write_json, git_commit, package_versions
 
 from .common import CONFIGS, RESULTS, ROOT, guarded
@@ -81,7 +81,7 @@ def check_policies(device: torch.device, tmp: Path, steps: int) -> dict:
 def check_low_rank(device: torch.device, quick: bool) -> dict:
     cfg = preset("llama-60m" if quick else "llama-1b")
     m, n = cfg.ffn_dim, cfg.dim
-    r = resolve_rank(LowRankWgrad().r, m, n)
+    r = resolve_r(LowRankWgrad().r, m, n)
     w = torch.randn(m, n, generator=torch.Generator().manual_seed(0)).to(device)
     lr = LowRankWgrad()
     sync(device)

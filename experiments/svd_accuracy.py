@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from mecefo.costs import svd_flops
 from mecefo.model import preset
-from mecefo.neighbour import LowRankWgrad, exact_right_basis, randomized_right_basis, resolve_rank
+from mecefo.neighbour import LowRankWgrad, exact_right_basis, randomized_right_basis, resolve_r
 from mecefo.records import atomic_write_json
 
 from mecefo.results import failure_free_run
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     path = RESULTS / "svd" / f"svd_accuracy-{profile}.json"
     results = []
     for name, w in tqdm(matrices(profile), desc="svd accuracy", disable=not sys.stderr.isatty()):
-        r = resolve_rank(LowRankWgrad().r, *w.shape)
+        r = resolve_r(LowRankWgrad().r, *w.shape)
         results.append({"matrix": name, "shape": list(w.shape), "r": r, "rows": measure(w, r, DRAWS)})
     chosen = choose(results)
     default = LowRankWgrad()

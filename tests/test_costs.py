@@ -13,10 +13,10 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 @settings(max_examples=20, deadline=None)
 @given(mode=st.sampled_from(MODES), batch=st.integers(1, 4), seq=st.integers(2, 48),
-       rank=st.sampled_from([0.125, 0.5, 3, 40, 1000]))
-def test_counted_flops_equal_closed_forms_on_nano(mode, batch, seq, rank):
+       r=st.sampled_from([0.125, 0.5, 3, 40, 1000]))
+def test_counted_flops_equal_closed_forms_on_nano(mode, batch, seq, r):
     cfg, shape, t = preset("nano"), Shape(batch, seq), Techniques.parse(mode)
-    assert counted_flops(cfg, shape, t, rank) == analytic_flops(cfg, shape, t, rank)
+    assert counted_flops(cfg, shape, t, r) == analytic_flops(cfg, shape, t, r)
 
 
 @pytest.mark.parametrize("name", ["tiny", "llama-350m"])

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mecefo.model import GPT, preset
-from mecefo.neighbour import MECEFO, LowRankWgrad, Neighbour, Techniques, low_rank_linear, resolve_rank
+from mecefo.neighbour import MECEFO, LowRankWgrad, Neighbour, Techniques, low_rank_linear, resolve_r
 
 
 
@@ -137,8 +137,8 @@ def test_randomized_svd_recovers_a_low_rank_subspace():
 
 
 def test_rank_resolution():
-    assert resolve_rank(32, 100, 50) == 32 and resolve_rank(500, 100, 50) == 50 and resolve_rank(500, 50, 100) == 100
-    assert resolve_rank(0.25, 100, 64) == 16 and resolve_rank(0.001, 10, 10) == 1
+    assert resolve_r(32, 100, 50) == 32 and resolve_r(500, 100, 50) == 50 and resolve_r(500, 50, 100) == 100
+    assert resolve_r(0.25, 100, 64) == 16 and resolve_r(0.001, 10, 10) == 1
 
 
 # --------------------------------------------------------------------------------------- the model

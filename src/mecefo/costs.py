@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from .model import GPT, ModelConfig
-from .neighbour import LowRankWgrad, Neighbour, Techniques, resolve_rank
+from .model import GPT, ModelConfig, ffn_shapes
+from .neighbour import LowRankWgrad, Neighbour, Techniques, resolve_r
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,7 @@ class Shape:
 
 def ffn_matrices(cfg: ModelConfig, r: float) -> list[tuple[int, int, int]]:
     """(m, n, r) of the gate, up and down projections (W is m x n, V1 is n x r)."""
-    f, d = cfg.ffn_dim, cfg.dim
-    return [(m, n, resolve_rank(r, m, n)) for m, n in ((f, d), (f, d), (d, f))]
+    return [(m, n, resolve_r(r, m, n)) for m, n in ffn_shapes(cfg)]
 
 
 def analytic_flops(cfg: ModelConfig, shape: Shape, techniques: Techniques, r: float = 0.125) -> dict[str, int]:
@@ -74,7 +73,7 @@ def analytic_flops(cfg: ModelConfig, shape: Shape, techniques: Techniques, r: fl
     wgrad_apply = cfg.n_layers * sum(2 * w * rows * cols for rows, cols, w in mats) if techniques.low_rank_wgrad else 0
     head = 6 * n * d * v
     if techniques.low_rank_head:
-        rh = resolve_rank(r, v, d)
+        rh = resolve_r(r, v, d)
         head = 2 * n * d * v + 2 * n * d * rh + 2 * n * d * v + 2 * n * v * rh
         wgrad_apply += 2 * rh * v * d
     total = cfg.n_layers * (attention + ffn) + head + wgrad_apply
@@ -109,8 +108,8 @@ def counted_flops(cfg: ModelConfig, shape: Shape, techniques: Techniques, r: flo
         if neighbour is not None:
             neighbour.finish()
     by_module = {k: sum(v.values()) for k, v in counter.get_flop_counts().items()}
-    layer = by_module.get("GPT.layers.0", 0)
-    attention = by_module.get("GPT.layers.0.attention", 0)
+    first = f"{type(model).__name__}.layers.0"  # FlopCounterMode names modules by their path in the model
+    layer, attention = by_module.get(first, 0), by_module.get(f"{first}.attention", 0)
     model.zero_grad(set_to_none=True)
     # every layer costs the same; what is left is the LM head's (the embedding lookup counts no FLOPs)
     return {"attention": attention, "ffn": layer - attention, "head": counter.get_total_flops() - cfg.n_layers * layer,

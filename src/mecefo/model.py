@@ -233,6 +233,11 @@ def groups(n_layers: int) -> list[str]:
     return ["embedding"] + [f"{k}.{l}" for l in range(n_layers) for k in ("attention", "ffn")] + ["norm", "head"]
 
 
+def ffn_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """(m, n) of each FFN projection's weight (m x n), in FFN_PROJECTIONS order: gate, up (F x D), down (D x F)."""
+    return [(cfg.ffn_dim, cfg.dim), (cfg.ffn_dim, cfg.dim), (cfg.dim, cfg.ffn_dim)]
+
+
 def ffn_linears(model: nn.Module) -> list[nn.Linear]:
     """The FFN projections (gate, up, down) of every layer, in order: the matrices low_rank_wgrad applies to."""
     return [getattr(layer.ffn, name) for layer in model.layers for name in FFN_PROJECTIONS]

@@ -72,7 +72,7 @@ class Techniques:
 MECEFO = Techniques(skip_attention=True, recompute_ffn=True, low_rank_wgrad=True)
 
 
-def resolve_rank(r: float, m: int, n: int) -> int:
+def resolve_r(r: float, m: int, n: int) -> int:
     """Width r of V1 for an m x n weight: r >= 1 is absolute, 0 < r < 1 a fraction of min(m, n); the result
     lies in [1, n] (r = n makes V1 square and the estimator exact; beyond min(m, n) the extra singular
     vectors have singular value 0)."""
@@ -166,7 +166,7 @@ class LowRankWgrad:
             w = w.full_tensor()
         w = w.float() if w.dtype in (torch.bfloat16, torch.float16) else w
         m, n = w.shape
-        r = resolve_rank(self.r, m, n)
+        r = resolve_r(self.r, m, n)
         if self.method(m, n, r) == "exact":
             v1 = exact_right_basis(w, r)
         else:
