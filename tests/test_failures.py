@@ -183,3 +183,29 @@ def test_a_trace_pool_of_another_size_is_scaled_to_n(tmp_path, n):
     ours = np.array([len(f) for f in s.failed]) / n
     assert np.all(np.abs(ours - _trace_fraction(path, 14, 1.0)) <= 1 / (2 * n) + 1e-12)
     assert any(len(a) > len(b) for a, b in zip(s.failed, s.failed[1:]))  # and some ranks do come back
+
+
+def test_trace_edge_cases(tmp_path):
+    path = tmp_path / "t.csv"
+    # a node preempted and a replacement added in the same millisecond: the slot is held again at once
+    path.write_text("0,add,a\n0,add,b\n1000,remove,a\n1000,add,c\n")
+    assert [len(f) for f in read_trace(path, 2, 3, 1.0).failed] == [0, 0, 0]
+    # removed at 0 ms: down from the start (initially down, not a failure event); back when re-added
+    path.write_text("0,add,a\n0,add,b\n0,remove,b\n2000,add,b\n")
+    s = read_trace(path, 2, 3, 1.0)
+    assert s.initially_down == {1} and s.failure_events() == 0 and [len(f) for f in s.failed] == [1, 1, 0]
+    # a pool smaller than n with a slot down at 0: the scaled share of ranks is down from step 0
+    path.write_text("".join(f"0,add,n{i}\n" for i in range(8)) + "0,remove,n3\n5000,add,n9\n")
+    s = read_trace(path, 32, 6, 1.0)
+    assert len(s.failed[0]) == 4 and len(s.failed[-1]) == 0
+    # a trace that adds nobody
+    path.write_text("10,remove,a\n")
+    with pytest.raises(UsageError, match="adds no node"):
+        read_trace(path, 2, 3, 1.0)
+
+
+def test_a_stationary_schedule_keeps_its_initially_down_ranks_through_export(tmp_path):
+    s = generate(SCENARIOS["high"], 8, 200, 120.0, seed=1, start="stationary")
+    export_trace(s, tmp_path / "t.csv")
+    back = read_trace(tmp_path / "t.csv", 8, 200, 120.0)
+    assert back.initially_down == s.initially_down and back.failure_events() == s.failure_events()

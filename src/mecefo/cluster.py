@@ -195,10 +195,10 @@ class LocalCluster(_Common):
     def step(self, plan: StepPlan) -> StepResult:
         self.current_step = plan.step
         self.model.zero_grad(set_to_none=True)
-        batches: dict[tuple[int, Techniques], list[Piece]] = {}
+        batches: dict[tuple[int, Techniques, int], list[Piece]] = {}
         for rank in sorted(plan.pieces):
             for p in plan.pieces[rank]:
-                batches.setdefault((p.micro, p.techniques), []).append(p)
+                batches.setdefault((p.micro, p.techniques, p.batch), []).append(p)
         loss_sum, weight_sum = 0.0, 0.0
         for pieces in batches.values():
             ls, ws = self.run_batch(pieces)

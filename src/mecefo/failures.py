@@ -117,7 +117,7 @@ def generate(scenario: FailureScenario, n_ranks: int, steps: int, seconds_per_st
 
 def from_events(n_ranks: int, steps: int, seconds_per_step: float, events: list[Event],
                 initially_down: frozenset[int] = frozenset()) -> Schedule:
-    events = sorted(events, key=lambda e: (e.time_s, e.kind == "remove"))  # at equal times, recover first
+    events = sorted(events, key=lambda e: e.time_s)  # stable: at equal times, in the order given
     down, failed, i = set(initially_down), [], 0
     for step in range(steps):
         t = step * seconds_per_step
@@ -161,25 +161,33 @@ def _parse_trace(path: Path) -> list[tuple[float, str, str]]:
 
 def trace_slots(rows: list[tuple[float, str, str]]) -> tuple[int, list[Event], frozenset[int]]:
     """A trace as a pool of P slots, P its largest number of nodes present at once: (P, slot events,
-    slots down at 0). Nodes present at 0 ms take slots 0, 1, ... in order of appearance; a node added later
-    (a replacement, under a new name or its old one) takes its old slot if that is free, else the lowest
-    free slot; a removal frees the node's slot. A slot is down while no node holds it."""
-    rows = sorted(rows, key=lambda r: r[0])  # stable: at equal times, file order
+    slots down at 0). The rows at 0 ms set the start: nodes added take slots 0, 1, ... in order of first
+    appearance, a node also removed at 0 ms leaves its slot down. Later, a removal frees the node's slot and
+    a node added (a replacement, under a new name or its old one) takes its old slot if that is free, else
+    the lowest free slot; rows at equal times apply in file order. A slot is down while no node holds it."""
+    if not any(kind == "add" for _, kind, _ in rows):
+        raise UsageError("the failure trace adds no node: nothing to train on")
+    rows = sorted(rows, key=lambda r: r[0])  # stable: at equal times, file order (a node's own rows stay in order)
     present, peak = set(), 0
     for _, kind, node in rows:
         (present.add if kind == "add" else present.discard)(node)
         peak = max(peak, len(present))
     slot_of: dict[str, int] = {}
     holder: dict[int, str] = {}
+    for t, kind, node in rows:  # the start: every row at 0 ms, removals of nodes not yet added ignored
+        if t > 0:
+            break
+        if kind == "add" and node not in slot_of:
+            slot_of[node] = len(slot_of)
+        if kind == "add":
+            holder[slot_of[node]] = node
+        elif node in slot_of:
+            holder.pop(slot_of[node], None)
+    peak = max(peak, len(slot_of))
+    down_at_0 = frozenset(range(peak)) - set(holder)
     events: list[Event] = []
-    started = [node for t, kind, node in rows if t == 0 and kind == "add"]
-    for node in dict.fromkeys(started):
-        slot_of[node] = len(slot_of)
-        holder[slot_of[node]] = node
-    peak = max(peak, len(slot_of), 1)
-    down_at_0 = frozenset(range(len(holder), peak))
     for t, kind, node in rows:
-        if t == 0 and kind == "add":
+        if t == 0:
             continue
         if kind == "remove":
             s = slot_of.get(node)
@@ -203,21 +211,25 @@ def scale_to_ranks(slots: int, events: list[Event], down_at_0: frozenset[int], n
     order going down, the one mirroring the slot or else the longest down coming back)."""
     if slots == n_ranks:
         return events, down_at_0
-    down_slots, down = set(down_at_0), []
+    down_slots, down = set(), []
     target = lambda: round(n_ranks * len(down_slots) / slots)  # noqa: E731
+
+    def take_down(home: int) -> int:
+        r = next((home + k) % n_ranks for k in range(n_ranks) if (home + k) % n_ranks not in down)
+        down.append(r)
+        return r
+
     for s in sorted(down_at_0):
-        if len(down) < target():
-            down.append(next((s * n_ranks // slots + k) % n_ranks for k in range(n_ranks)
-                             if (s * n_ranks // slots + k) % n_ranks not in down))
+        down_slots.add(s)
+        while len(down) < target():
+            take_down(s * n_ranks // slots)
     initially = frozenset(down)
     out = []
     for e in events:
         (down_slots.add if e.kind == "remove" else down_slots.discard)(e.rank)
         home = e.rank * n_ranks // slots
         while len(down) < target():
-            r = next((home + k) % n_ranks for k in range(n_ranks) if (home + k) % n_ranks not in down)
-            down.append(r)
-            out.append(Event(e.time_s, "remove", r))
+            out.append(Event(e.time_s, "remove", take_down(home)))
         while len(down) > target():
             r = home if home in down else down[0]
             down.remove(r)

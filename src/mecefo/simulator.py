@@ -147,7 +147,7 @@ def simulate(job: Job, policy: str | Policy, events: list[Event], horizon_s: flo
     interval = policy.sim_checkpoint_interval(job, cost, mtbf_s)  # work since the last checkpoint is lost at a failure
     acc = dict.fromkeys(BREAKDOWN, 0.0)
     down, t, tokens, since_ckpt = set(initially_down), 0.0, 0.0, []  # since_ckpt: (breakdown, tokens) per step
-    queue = sorted((e for e in events if e.time_s < horizon_s), key=lambda e: (e.time_s, e.kind == "remove"))
+    queue = sorted((e for e in events if e.time_s < horizon_s), key=lambda e: e.time_s)  # stable, as failures.from_events
     sim: dict = {}  # the policy's own state for this run
     n_events = 0
 
