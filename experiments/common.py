@@ -1,6 +1,6 @@
 """Shared by the experiment modules: result paths and configs (mecefo.results), CLI error handling."""
 
 from mecefo.errors import guarded
-from mecefo.results import CONFIGS, PROFILES, RESULTS, ROOT, load_config, run_dir
+from mecefo.results import CONFIGS, RESULTS, ROOT, load_config, run_dir
 
-__all__ = ["CONFIGS", "PROFILES", "RESULTS", "ROOT", "guarded", "load_config", "run_dir"]
+__all__ = ["CONFIGS", "RESULTS", "ROOT", "guarded", "load_config", "run_dir"]

@@ -20,7 +20,6 @@ hardest case: its singular values decay slowest); r = 1/8 of min(m, n) as in tra
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
@@ -32,9 +31,9 @@ from mecefo.model import preset
 from mecefo.neighbour import LowRankWgrad, exact_right_basis, randomized_right_basis, resolve_r
 from mecefo.records import atomic_write_json
 
-from mecefo.results import failure_free_run
+from mecefo.results import failure_free_run, measurement, quick_flag
 
-from .common import RESULTS, guarded
+from .common import guarded
 
 GRID = [(f, it) for f in (0.25, 0.5, 1.0) for it in (2, 4, 8)]  # (oversample as a fraction of r, niter)
 TOLERANCE = 0.01  # the target: within 1% of the exact top-r energy
@@ -118,11 +117,9 @@ def choose(results: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="llama-60m shapes and the nano checkpoint")
-    args = parser.parse_args(argv)
-    profile = "quick" if args.quick else "default"
-    path = RESULTS / "svd" / f"svd_accuracy-{profile}.json"
+    quick = quick_flag(argv, __doc__)  # --quick: llama-60m shapes and the nano checkpoint
+    profile = "quick" if quick else "default"
+    path = measurement("svd", "svd_accuracy", quick)
     results = []
     for name, w in tqdm(matrices(profile), desc="svd accuracy", disable=not sys.stderr.isatty()):
         r = resolve_r(LowRankWgrad().r, *w.shape)

@@ -3,13 +3,12 @@ sensitivity to what the paper leaves unknown, and retained throughput from 32 to
 
     python -m experiments.throughput [--quick]
 
-Writes results/throughput/<profile>.json and every generated failure trace (the `t_ms,add|remove,nodeN`
+Writes results/throughput/throughput-<profile>.json and every generated failure trace (the `t_ms,add|remove,nodeN`
 CSV format) under results/throughput/traces/.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import asdict, replace
 
@@ -19,6 +18,7 @@ from tqdm import tqdm
 from mecefo.failures import SCENARIOS, FailureScenario, Schedule, export_trace
 from mecefo.records import atomic_write_json, git_commit
 from mecefo.policies import simulator_policies
+from mecefo.results import measurement, quick_flag
 from mecefo.simulator import CostModel, Job, ci95, mtbf, scenario_events, simulate
 
 from .common import RESULTS, guarded
@@ -127,11 +127,8 @@ def scaling(seeds: int, sizes) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    quick = parser.parse_args(argv).quick
-    profile = "quick" if quick else "default"
-    path = RESULTS / "throughput" / f"{profile}.json"
+    quick = quick_flag(argv, __doc__)
+    path = measurement("throughput", "throughput", quick)
     if path.exists():
         print(f"reusing {path}")
         return 0

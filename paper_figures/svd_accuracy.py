@@ -6,12 +6,10 @@
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 
-from mecefo.errors import UsageError, guarded
-from mecefo.results import RESULTS
+from mecefo.errors import guarded
+from mecefo.results import quick_flag, read_measurement
 
 from .common import write_table
 
@@ -36,13 +34,8 @@ def table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args(argv)
-    path = RESULTS / "svd" / f"svd_accuracy-{'quick' if args.quick else 'default'}.json"
-    if not path.exists():
-        raise UsageError(f"{path} does not exist; run python -m experiments.svd_accuracy first")
-    out = write_table("svd_accuracy", table(json.loads(path.read_text())))
+    result = read_measurement("svd", "svd_accuracy", quick_flag(argv, __doc__), "experiments.svd_accuracy")
+    out = write_table("svd_accuracy", table(result))
     print(f"randomized-SVD table -> {out}")
     return 0
 

@@ -6,16 +6,14 @@ table with the verdict on the 4.18%, the scaling figure and the time breakdown, 
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 
 import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
 
-from mecefo.errors import UsageError, guarded
-from mecefo.results import RESULTS, paper_numbers
+from mecefo.errors import guarded
+from mecefo.results import paper_numbers, quick_flag, read_measurement
 from mecefo.simulator import BREAKDOWN
 
 from .common import save_figure, style, write_table
@@ -120,13 +118,7 @@ def breakdown_figure(result: dict):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    profile = "quick" if parser.parse_args(argv).quick else "default"
-    path = RESULTS / "throughput" / f"{profile}.json"
-    if not path.exists():
-        raise UsageError(f"no {path}; run python -m experiments.throughput first")
-    result = json.loads(path.read_text())
+    result = read_measurement("throughput", "throughput", quick_flag(argv, __doc__), "experiments.throughput")
     style()
     paths = [write_table("throughput_table2", table(result))]
     paths += save_figure(scaling_figure(result), "throughput_scaling")

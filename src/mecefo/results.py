@@ -21,7 +21,6 @@ CONFIGS = ROOT / "experiments" / "configs"
 RESULTS = Path(os.environ.get("MECEFO_RESULTS", ROOT / "results"))
 FIGURES = ROOT / "paper_figures" / "out"
 PAPER_NUMBERS = ROOT / "paper_figures" / "paper_numbers.json"
-PROFILES = ("quick", "default", "full")
 FAILURE_FREE_CONFIG = {"quick": "nano", "default": "tiny"}  # the failure-free reference run of each profile
 
 

@@ -28,7 +28,8 @@ from typing import ClassVar
 import numpy as np
 
 from ..errors import TrainingStopped, UsageError
-from ..plan import NORMAL, Piece, StepPlan, whole
+from ..neighbour import MECEFO, Techniques
+from ..plan import NORMAL, Piece, StepPlan, assign_neighbours, whole
 
 _REGISTRY: dict[str, type["Policy"]] = {}
 _LOADED: set[str] = set()
@@ -175,8 +176,6 @@ def table() -> str:
 def neighbour_cover(failed, alive, pieces, accum, batch, techniques) -> dict[int, int]:
     """Neighbour-do-both: each failed rank's neighbour (mecefo.plan.assign_neighbours) computes its own and
     the failed rank's micro-batches, both with `techniques`."""
-    from ..plan import assign_neighbours
-
     neighbours = assign_neighbours(failed, len(alive) + len(failed))
     for j, nb in neighbours.items():
         pieces[nb] = tuple(Piece(p.owner, p.micro, p.start, p.stop, p.batch, techniques) for p in pieces[nb]) \
@@ -208,8 +207,6 @@ def neighbour_load(failed: frozenset[int], job) -> int:
 
 def techniques_of(config):
     """The techniques a run's neighbours apply (cluster.techniques), MeCeFO's three by default."""
-    from ..neighbour import MECEFO, Techniques
-
     return MECEFO if config is None else Techniques.parse(config.techniques)
 
 

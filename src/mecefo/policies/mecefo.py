@@ -3,7 +3,7 @@ with the techniques (default: skip_attention + recompute_ffn + low_rank_wgrad)."
 
 from __future__ import annotations
 
-from . import Policy, neighbour_cover, neighbour_load, register
+from . import NORMAL, Policy, neighbour_cover, neighbour_load, register
 
 
 @register
@@ -14,8 +14,6 @@ class MeCeFO(Policy):
     exact_neighbour = False
 
     def cover(self, failed, alive, pieces, accum, batch):
-        from ..plan import NORMAL
-
         t = NORMAL if self.exact_neighbour else self.techniques
         return neighbour_cover(failed, alive, pieces, accum, batch, t)
 

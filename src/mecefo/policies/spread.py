@@ -3,7 +3,7 @@ computed exactly."""
 
 from __future__ import annotations
 
-from . import Policy, register, spread_cover
+from . import NORMAL, Policy, register, spread_cover
 
 
 @register
@@ -15,8 +15,6 @@ class Spread(Policy):
     extra_share_techniques = False
 
     def cover(self, failed, alive, pieces, accum, batch):
-        from ..plan import NORMAL
-
         t = self.techniques if self.extra_share_techniques else NORMAL
         return spread_cover(failed, alive, pieces, accum, batch, t)
 
