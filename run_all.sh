@@ -27,8 +27,9 @@ step "sweep over n, failure level and policy (the paper's Table 3 and Figure 3)"
 python -m experiments.sweep $quick
 [ -z "$quick" ] && python -m experiments.sweep --full
 
-step "cluster-scale throughput simulation (the paper's Table 2, and 32 to 100k GPUs)"
+step "cluster-scale throughput simulation (the paper's Table 2, its hypotheses, and 32 to 100k GPUs)"
 python -m experiments.throughput $quick
+python -m experiments.hypotheses $quick
 
 step "analysis: bias and variance, Assumption 3 along training, the O(1/sqrt(nT)) rate"
 python -m analysis.bias_variance $quick

@@ -18,8 +18,8 @@ from tqdm import tqdm
 from mecefo.failures import SCENARIOS, FailureScenario, Schedule, export_trace
 from mecefo.records import atomic_write_json, git_commit
 from mecefo.policies import simulator_policies
-from mecefo.results import measurement, quick_flag
-from mecefo.simulator import CostModel, Job, ci95, mtbf, scenario_events, simulate
+from mecefo.results import measurement, reusable, sources_digest, quick_flag
+from mecefo.simulator import CostModel, Job, ci95, mtbf, scenario_failures, simulate
 
 from .common import RESULTS, guarded
 
@@ -36,37 +36,77 @@ PAPER_JOBS = {
 LLAMA3 = FailureScenario("llama3-rate", interval_h=3 * 16384 / 32, recovery_h=3.0)
 
 
+# Readings of a baseline that its public code allows, simulated beside the registry's policies:
+# label -> (policy, Job fields).
+VARIANTS = {"oobleck (rejoin at next failure)": ("oobleck", {"oobleck_rejoin": "next_failure"})}
+
+
+FITTED = "bamboo (reconfiguration fitted on 7B)"
+
+
+def fit_bamboo_reconfig(seeds: int, target_pct: float) -> float:
+    """The one constant we fit: a factor k on Bamboo's reconfiguration times (simulator_constants.json) such
+    that the 7B high-failure drop equals the paper's Bamboo column (bisection on the mean over seeds; the
+    drop grows with k); 350M and 1B are then predicted with the same k. None if k = 0 is already above."""
+    job, sc = PAPER_JOBS["llama-7b"], SCENARIOS["high"]
+    runs = [scenario_failures(sc, job, HORIZON_S, seed) for seed in range(seeds)]
+
+    def drop_pct(k: float) -> float:
+        j = replace(job, bamboo_reconfig_s=k * job.const("bamboo_reconfig_s"))
+        base = simulate(j, "bamboo", [], HORIZON_S).throughput
+        return 100 * (1 - np.mean([simulate(j, "bamboo", ev, HORIZON_S, mtbf(sc, job.gpus), d).throughput
+                                   for ev, d in runs]) / base)
+
+    lo, hi = 0.0, 4.0
+    if drop_pct(lo) > target_pct or drop_pct(hi) < target_pct:
+        return None
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if drop_pct(mid) < target_pct else (lo, mid)
+    return (lo + hi) / 2
+
+
 def run_cell(job: Job, scenario: FailureScenario, seeds: int, policies=None, trace_dir=None,
-             tuned_for: FailureScenario = SCENARIOS["high"]) -> dict:
-    """Throughput (mean and 95% interval over seeds) and the mean time breakdown for each policy.
-    Checkpoint-restart checkpoints at the Young/Daly interval of `tuned_for` (the same with and without failures)."""
-    cost = CostModel(job)
-    policies = tuple(policies or simulator_policies())
-    out = {p: {"throughput": [], "breakdown": []} for p in policies}
+             tuned_for: FailureScenario | None = None, start: str = "stationary", variants=None) -> dict:
+    """Throughput (mean and 95% interval over seeds) and the mean time breakdown for each policy (and
+    VARIANTS, when `policies` is None, and `variants`), over Table 1's process from a stationary start. Checkpoint-restart
+    checkpoints at the Young/Daly interval of `tuned_for` (default: the scenario itself; none without failures)."""
+    runs = {p: (p, {}) for p in (policies or simulator_policies())} | ({} if policies else VARIANTS) | (variants or {})
+    interval_mtbf = mtbf(tuned_for or scenario, job.gpus)
+    out = {label: {"throughput": [], "breakdown": []} for label in runs}
     for seed in range(seeds):
-        events = scenario_events(scenario, job, HORIZON_S, seed) if scenario.name != "none" else []
+        events, down = scenario_failures(scenario, job, HORIZON_S, seed, start)
         if trace_dir is not None and events:
             path = trace_dir / f"{scenario.name}-{job.gpus}gpus-seed{seed}.csv"
             if not path.exists():
                 path.parent.mkdir(parents=True, exist_ok=True)
-                export_trace(Schedule(job.gpus, (), tuple(events), 1.0), path)
-        for p in policies:
-            o = simulate(job, p, events, HORIZON_S, mtbf(tuned_for, job.gpus), cost=cost)
-            out[p]["throughput"].append(o.throughput)
-            out[p]["breakdown"].append({k: v / o.wall_s for k, v in o.breakdown.items()})
+                export_trace(Schedule(job.gpus, (), tuple(events), 1.0, down), path)
+        for label, (policy, fields) in runs.items():
+            o = simulate(replace(job, **fields), policy, events, HORIZON_S, interval_mtbf, down)
+            out[label]["throughput"].append(o.throughput)
+            out[label]["breakdown"].append({k: v / o.wall_s for k, v in o.breakdown.items()})
     return {p: {"mean": ci95(v["throughput"])[0], "ci95": list(ci95(v["throughput"])[1:]), "seeds": seeds,
                 "breakdown_share": {k: float(np.mean([b[k] for b in v["breakdown"]])) for k in v["breakdown"][0]}}
             for p, v in out.items()}
 
 
-def table2(seeds: int, trace_dir) -> dict:
+def table2(seeds: int, trace_dir) -> tuple[dict, dict]:
+    """Per model and failure level, every policy's throughput; and the Bamboo fit (fit_bamboo_reconfig)."""
+    from mecefo.results import paper_numbers
+
+    paper_bamboo = paper_numbers()["table2_throughput_tokens_per_s"]["rows"]["llama-7b"]["Bamboo"][2]
+    k = fit_bamboo_reconfig(seeds, paper_bamboo)
+    fit = {"factor": k, "fitted_on": "llama-7b", "target_pct": paper_bamboo}
     rows = {}
     for name, job in PAPER_JOBS.items():
-        rows[name] = {"job": asdict(job), "cost": {"alpha_1": CostModel(job).alpha(1), "step_s": sum(CostModel(job).base.values())}}
+        cost = CostModel(job)
+        fitted = {} if k is None else {FITTED: ("bamboo", {"bamboo_reconfig_s": k * job.const("bamboo_reconfig_s")})}
+        rows[name] = {"job": asdict(job), "cost": {"alpha_1": cost.alpha(1), "c": cost.relative_cost,
+                                                   "step_s": sum(cost.base.values())}}
         for level in ("none", "low", "mid", "high"):
-            # checkpoint-restart is tuned for the high scenario, the one the drops are reported for
-            rows[name][level] = run_cell(job, SCENARIOS[level], 1 if level == "none" else seeds, trace_dir=trace_dir)
-    return rows
+            rows[name][level] = run_cell(job, SCENARIOS[level], 1 if level == "none" else seeds, trace_dir=trace_dir,
+                                         variants=fitted)
+    return rows, fit
 
 
 def sensitivity(seeds: int) -> list[dict]:
@@ -87,10 +127,8 @@ def sensitivity(seeds: int) -> list[dict]:
             for p in ("mecefo", "spread-mecefo", "drop", "oobleck"):
                 vals = []
                 for seed in range(1 if level == "none" else seeds):
-                    from mecefo.failures import generate
-
-                    events = [] if level == "none" else list(generate(sc, job.gpus, 1, HORIZON_S, seed, recovery).events)
-                    vals.append(simulate(job, p, events, HORIZON_S, mtbf(SCENARIOS["high"], job.gpus), cost=cost).throughput)
+                    events, down = scenario_failures(sc, job, HORIZON_S, seed, recovery=recovery)
+                    vals.append(simulate(job, p, events, HORIZON_S, mtbf(sc, job.gpus), down, cost=cost).throughput)
                 res.setdefault(p, {})[level] = float(np.mean(vals))
         rows.append({"variant": label, "alpha_1": CostModel(job).alpha(1),
                      **{f"{p}_drop_pct": 100 * (1 - r["high"] / r["none"]) for p, r in res.items()}})
@@ -98,11 +136,11 @@ def sensitivity(seeds: int) -> list[dict]:
 
 
 def active_fraction(seeds: int) -> float:
-    """Share of time with at least one failed GPU under Table 1's high scenario on 32 GPUs."""
+    """Share of time with at least one failed GPU under Table 1's high scenario on 32 GPUs (stationary)."""
     shares = []
     for seed in range(seeds):
-        events = scenario_events(SCENARIOS["high"], PAPER_JOBS["llama-7b"], HORIZON_S, seed)
-        down, t_last, active = set(), 0.0, 0.0
+        events, start_down = scenario_failures(SCENARIOS["high"], PAPER_JOBS["llama-7b"], HORIZON_S, seed)
+        down, t_last, active = set(start_down), 0.0, 0.0
         for e in sorted(events, key=lambda e: e.time_s):
             if e.time_s > HORIZON_S:
                 break
@@ -119,8 +157,8 @@ def scaling(seeds: int, sizes) -> dict:
     for gpus in sizes:
         dp = gpus // 4
         job = replace(PAPER_JOBS["llama-7b"], dp=dp, global_batch=dp * 2 * 16)  # weak scaling: 16 micro-batches per replica
-        res = run_cell(job, LLAMA3, seeds, tuned_for=LLAMA3)
-        base = run_cell(job, SCENARIOS["none"], 1, tuned_for=LLAMA3)
+        res = run_cell(job, LLAMA3, seeds, simulator_policies())
+        base = run_cell(job, SCENARIOS["none"], 1, simulator_policies())
         out[str(gpus)] = {p: {"retained": res[p]["mean"] / base[p]["mean"],
                               "ci95": [c / base[p]["mean"] for c in res[p]["ci95"]]} for p in res}
     return out
@@ -129,14 +167,15 @@ def scaling(seeds: int, sizes) -> dict:
 def main(argv: list[str] | None = None) -> int:
     quick = quick_flag(argv, __doc__)
     path = measurement("throughput", "throughput", quick)
-    if path.exists():
+    digest = sources_digest()
+    if reusable(path, digest):
         print(f"reusing {path}")
         return 0
     seeds = 5 if quick else 30
     sizes = (32, 512, 8192, 100_000) if quick else (32, 128, 512, 2048, 8192, 32768, 100_000)
     steps = tqdm(total=4, desc="throughput", disable=not sys.stderr.isatty())
-    result = {"horizon_s": HORIZON_S, "seeds": seeds, "git_commit": git_commit(),
-              "table2": table2(seeds, RESULTS / "throughput" / "traces")}
+    result = {"horizon_s": HORIZON_S, "seeds": seeds, "git_commit": git_commit(), "sources_digest": digest}
+    result["table2"], result["bamboo_fit"] = table2(seeds, RESULTS / "throughput" / "traces")
     steps.update(1)
     result["sensitivity"] = sensitivity(max(3, seeds // 3))
     steps.update(1)
@@ -146,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     steps.update(1)
     atomic_write_json(path, result)
     t7 = result["table2"]["llama-7b"]
+    print(f"Bamboo reconfiguration factor fitted on 7B: {result['bamboo_fit']['factor']}")
     for p in t7["high"]:
         print(f"7B {p:18s} none {t7['none'][p]['mean']:10.0f} tok/s  high {t7['high'][p]['mean']:10.0f} "
               f"({100 * (1 - t7['high'][p]['mean'] / t7['none'][p]['mean']):.2f}% drop)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import seaborn as sns  # noqa: E402
 
 from mecefo.records import atomic_write_text, read_jsonl  # noqa: E402,F401  (read_jsonl: for the figure scripts)
 from mecefo.results import FIGURES as OUT  # noqa: E402
+from mecefo.results import ROOT  # noqa: E402
 
 
 def style() -> None:
@@ -38,3 +40,14 @@ def write_table(name: str, markdown: str) -> Path:
     path = OUT / f"{name}.md"
     atomic_write_text(path, markdown)
     return path
+
+
+def update_readme(block: str, section: str) -> Path | None:
+    """Replace the README's text between <!-- block:begin --> and <!-- block:end --> by `section`."""
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    pattern = re.compile(rf"(<!-- {block}:begin -->\n).*?(\n<!-- {block}:end -->)", re.S)
+    if not pattern.search(text):
+        return None
+    atomic_write_text(readme, pattern.sub(lambda m: m.group(1) + section + m.group(2), text))
+    return readme

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -18,10 +17,9 @@ import pandas as pd
 import seaborn as sns
 
 from mecefo.errors import UsageError, guarded
-from mecefo.records import atomic_write_text
-from mecefo.results import RESULTS, ROOT, paper_numbers, sweep_index
+from mecefo.results import RESULTS, paper_numbers, sweep_index
 
-from .common import read_jsonl, save_figure, style, write_table
+from .common import read_jsonl, save_figure, style, update_readme, write_table
 
 LEVELS = ["none", "low", "mid", "high"]
 PAPER = paper_numbers()
@@ -159,14 +157,6 @@ def results_section(rel: pd.DataFrame, index: dict) -> str:
     return "\n".join(lines)
 
 
-def update_readme(section: str) -> None:
-    readme = ROOT / "README.md"
-    text = readme.read_text()
-    pattern = re.compile(r"(<!-- results:begin -->\n).*?(\n<!-- results:end -->)", re.S)
-    if pattern.search(text):
-        atomic_write_text(readme, pattern.sub(lambda m: m.group(1) + section + m.group(2), text))
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -183,8 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     section = results_section(rel, index)
     paths.append(write_table("results_section", section + "\n"))
     if profile == "default":
-        update_readme(section)
-        paths.append(ROOT / "README.md")
+        paths.append(update_readme("results", section))
     for p in paths:
         print(f"wrote {p}")
     return 0

@@ -69,6 +69,33 @@ def measurement(experiment: str, name: str, quick: bool) -> Path:
     return RESULTS / experiment / f"{name}-{profile(quick)}.json"
 
 
+SIMULATOR_SOURCES = ("src/mecefo/simulator.py", "src/mecefo/simulator_constants.json", "src/mecefo/costs.py",
+                     "src/mecefo/failures.py", "src/mecefo/policies", "experiments/throughput.py",
+                     "experiments/hypotheses.py")
+
+
+def sources_digest(paths=SIMULATOR_SOURCES) -> str:
+    """SHA-256 (12 hex digits) of the contents of these files (folders: their *.py and *.json files), so a
+    measurement made by other code is recomputed rather than reused."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for rel in paths:
+        path = ROOT / rel
+        for f in sorted(path.rglob("*")) if path.is_dir() else [path]:
+            if f.suffix in (".py", ".json") and f.is_file():
+                h.update(str(f.relative_to(ROOT)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def reusable(path: Path, digest: str) -> bool:
+    """Whether the measurement at `path` exists and was made by code with this sources_digest."""
+    try:
+        return json.loads(path.read_text()).get("sources_digest") == digest
+    except (OSError, ValueError):
+        return False
+
+
 def sweep_index(quick: bool) -> Path:
     return RESULTS / "sweep" / f"index-{profile(quick)}.json"
 

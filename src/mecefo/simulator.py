@@ -15,23 +15,49 @@ or recovery event, and, for checkpoint-restart, a checkpoint interval after whic
 Every policy loses the partial step in flight when a GPU fails. Throughput = trained tokens / wall time;
 dropped samples and rolled-back steps are not trained tokens. The time breakdown (compute, bubble,
 communication, redundant, degraded, pause, checkpoint, lost_work) sums to the wall time.
+
+The baselines' constants (pauses, restart and checkpoint times, Bamboo's fallback) are read from
+simulator_constants.json, each with its public source; a Job field left at None takes that value. Four
+fields are hypotheses about the paper's setting, neutral by default (experiments/hypotheses.py sweeps them):
+neighbour_slack (H2), neighbour_alpha (H3), failure_unit (H4) and spread_width (H5).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, replace
+from functools import cache
+from pathlib import Path
 
 import numpy as np
 
 from .costs import Shape, analytic_flops
 from .failures import REFERENCE_RANKS, Event, FailureScenario, generate
 from .model import count_parameters, preset
-from .neighbour import MECEFO, Techniques
+from .neighbour import Techniques
 from .policies import Policy, get, simulator_policies
 
 GPUS = {"A100": {"peak_flops": 312e12, "memory_bytes": 80e9}, "H100": {"peak_flops": 989e12, "memory_bytes": 80e9}}
 BREAKDOWN = ("compute", "bubble", "communication", "redundant", "degraded", "pause", "checkpoint", "lost_work")
+
+
+CONSTANTS = Path(__file__).with_name("simulator_constants.json")
+
+
+@cache
+def constants() -> dict:
+    """name -> {"value", "source"} from simulator_constants.json; a value may be a per-model table."""
+    data = json.loads(CONSTANTS.read_text())
+    return {k: v for k, v in data.items() if k != "about"}
+
+
+def per_model(table: dict, model: str) -> float:
+    """A per-model constant; a model not in the table takes the entry nearest in log-parameters."""
+    if model in table:
+        return table[model]
+    size = math.log(count_parameters(preset(model)))
+    return table[min(table, key=lambda m: abs(math.log(count_parameters(preset(m))) - size))]
 
 
 @dataclass(frozen=True)
@@ -48,16 +74,35 @@ class Job:
     nvlink_bytes_s: float = 600e9
     ib_bytes_s: float = 200e9
     overlap: float = 0.5  # share of the all-reduce hidden behind the backward pass
+    techniques: str = "mecefo"  # what a neighbour applies (mecefo.neighbour.Techniques.parse)
     r: float = 0.125  # low-rank width
     low_rank_tau: int = 50
-    # policy constants (defaults from the public simulators, docs/simulators.md)
-    event_pause_s: float = 0.0  # mecefo / spread: detection and re-routing per failure event
-    torchft_quorum_s: float = 5.0
-    oobleck_reconfig_s: float = 10.0
-    bamboo_fallback: float = 1.5
-    bamboo_restart_s: float = 30.0
-    checkpoint_s: float = 60.0
-    restart_s: float = 300.0
+    # the baselines' constants: None = simulator_constants.json's value for this model (Job.const)
+    reform_s: float | None = None
+    bamboo_fallback: float | None = None
+    bamboo_reconfig_s: float | None = None
+    bamboo_reconfig_threshold: float | None = None
+    bamboo_restart_s: float | None = None
+    bamboo_stages: int | None = None
+    oobleck_reinstantiate_s: float | None = None
+    oobleck_min_stages: int | None = None
+    oobleck_rejoin: str | None = None
+    checkpoint_s: float | None = None
+    restart_s: float | None = None
+    replacement_delay_s: float | None = None
+    # hypotheses about the paper's setting (neutral defaults)
+    neighbour_slack: float = 0.0  # H2: share of a neighbour's extra time hidden in idle time
+    neighbour_alpha: float | None = None  # H3: a neighbour's step time / a normal GPU's (None: exact FLOPs)
+    failure_unit: int = 1  # H4: GPUs that fail together (8: a node); the failed fraction is kept
+    spread_width: int = 0  # H5: survivors a failed GPU's work is spread over by spread policies (0: all)
+
+    def const(self, name: str):
+        """This job's value of a baseline constant: its field, else the data file's (for its model)."""
+        own = getattr(self, name)
+        if own is not None:
+            return own
+        value = constants()[name]["value"]
+        return per_model(value, self.model) if isinstance(value, dict) else value
 
     @property
     def gpus(self) -> int:
@@ -93,7 +138,7 @@ class CostModel:
         cfg = preset(j.model)
         shape = Shape(j.micro_batch, j.seq_len)
         normal = analytic_flops(cfg, shape, Techniques(), j.r)
-        nb = analytic_flops(cfg, shape, MECEFO, j.r)
+        nb = analytic_flops(cfg, shape, Techniques.parse(j.techniques), j.r)
         self.flops_normal, self.flops_neighbour, self.flops_apply = normal["total"], nb["total"] - nb["wgrad_apply"], nb["wgrad_apply"]
         rate = GPUS[j.gpu]["peak_flops"] * j.mfu * j.pp  # layers split evenly over the stages
         self.t_mb, self.t_mb_neighbour, self.t_apply = self.flops_normal / rate, self.flops_neighbour / rate, self.flops_apply / rate
@@ -115,11 +160,34 @@ class CostModel:
         return dict.fromkeys(BREAKDOWN, 0.0) | self.base
 
     def alpha(self, k: int, exact: bool = False) -> float:
-        """Time of a neighbour covering k failed GPUs, relative to a normal GPU (per step)."""
+        """Time of a neighbour covering k failed GPUs (its own micro-batches and theirs, all with the
+        techniques), relative to a normal GPU (per step); Job.neighbour_alpha replaces alpha(1) (H3)."""
         m = self.job.micro_batches
         if exact:
             return float(k + 1)
+        if self.job.neighbour_alpha is not None:
+            return 1 + k * (self.job.neighbour_alpha - 1)
         return ((k + 1) * self.t_mb_neighbour * m + self.t_apply) / (self.t_mb * m)
+
+    @property
+    def relative_cost(self) -> float:
+        """c: the cost of computing one failed GPU's micro-batches with the techniques (the per-step
+        low-rank apply included), relative to computing them normally."""
+        m = self.job.micro_batches
+        return (self.t_mb_neighbour * m + self.t_apply) / (self.t_mb * m)
+
+
+def spread_bound(f: float, c: float) -> float:
+    """The least throughput drop of a policy that trains every sample while a fraction f of the GPUs is
+    down, covering the missing work at relative cost c and spreading it perfectly over the survivors
+    (each survivor does 1 + f c / (1 - f) times its work; no pause, no bubble absorbs it):
+        drop >= 1 - 1 / (1 + f c / (1 - f))"""
+    return 1 - 1 / (1 + f * c / (1 - f))
+
+
+def cost_needed(drop: float, f: float) -> float:
+    """The c at which spread_bound(f, c) equals `drop`."""
+    return (1 / (1 - drop) - 1) * (1 - f) / f
 
 
 @dataclass
@@ -143,7 +211,9 @@ def simulate(job: Job, policy: str | Policy, events: list[Event], horizon_s: flo
             policy = get(policy)()
         except Exception as e:
             raise ValueError(f"policy {policy!r}; allowed: {', '.join(simulator_policies())}") from e
-    cost = cost or CostModel(job)
+    policy.sim_validate(job)
+    job = policy.sim_job(job)  # e.g. Bamboo runs a pipeline layout of the same GPUs
+    cost = cost if cost is not None and cost.job == job else CostModel(job)
     interval = policy.sim_checkpoint_interval(job, cost, mtbf_s)  # work since the last checkpoint is lost at a failure
     acc = dict.fromkeys(BREAKDOWN, 0.0)
     down, t, tokens, since_ckpt = set(initially_down), 0.0, 0.0, []  # since_ckpt: (breakdown, tokens) per step
@@ -177,8 +247,8 @@ def simulate(job: Job, policy: str | Policy, events: list[Event], horizon_s: flo
             if interval:
                 since_ckpt.extend([(parts, tok)] * n)
                 if len(since_ckpt) >= interval:
-                    acc["checkpoint"] += job.checkpoint_s
-                    t += job.checkpoint_s
+                    acc["checkpoint"] += job.const("checkpoint_s")
+                    t += job.const("checkpoint_s")
                     since_ckpt.clear()
 
     for e in queue + [Event(horizon_s, "end", -1)]:
@@ -205,7 +275,7 @@ def simulate(job: Job, policy: str | Policy, events: list[Event], horizon_s: flo
             down.add(e.rank)
         else:
             down.discard(e.rank)
-            pause = policy.sim_on_recovery(job, e.rank, t, sim)
+            pause = policy.sim_on_recovery(job, e.rank, frozenset(down), t, sim)
             acc["pause"] += pause
             t += pause
     # the tail (< one step before the horizon) is idle time
@@ -214,11 +284,20 @@ def simulate(job: Job, policy: str | Policy, events: list[Event], horizon_s: flo
     return Outcome(policy.name, wall, tokens, acc, n_events)
 
 
-def scenario_events(scenario: FailureScenario, job: Job, horizon_s: float, seed: int,
-                    per_gpu_rate_scale: float = 1.0) -> list[Event]:
-    """Table 1's process on the job's GPUs (per-GPU rate of a 32-GPU cluster kept), in continuous time."""
-    sc = replace(scenario, interval_h=scenario.interval_h / per_gpu_rate_scale)
-    return list(generate(sc, job.gpus, 1, horizon_s, seed).events)
+def scenario_failures(scenario: FailureScenario, job: Job, horizon_s: float, seed: int, start: str = "stationary",
+                      recovery: str = "fixed") -> tuple[list[Event], frozenset[int]]:
+    """Table 1's process on the job's GPUs in continuous time (each failure unit at the per-rank rate of a
+    32-rank cluster, so the failed fraction is Table 1's for any unit size); a unit of `job.failure_unit`
+    GPUs fails and recovers as a whole (units 0.. are consecutive GPUs, i.e. whole nodes at 8). Returns the
+    events and the GPUs already down at time 0 (start='stationary'; none at start='cold')."""
+    g = job.failure_unit
+    if g < 1 or job.gpus % g:
+        raise ValueError(f"failure_unit={g} must divide the job's {job.gpus} GPUs")
+    if scenario.interval_h == float("inf"):
+        return [], frozenset()
+    s = generate(scenario, job.gpus // g, 1, horizon_s, seed, recovery, start=start)
+    events = [Event(e.time_s, e.kind, e.rank * g + i) for e in s.events for i in range(g)]
+    return events, frozenset(u * g + i for u in s.initially_down for i in range(g))
 
 
 def mtbf(scenario: FailureScenario, gpus: int) -> float:

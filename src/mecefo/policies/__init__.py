@@ -101,13 +101,23 @@ class Policy:
         state (shared with the event hooks)."""
         return cost.parts(), float(job.tokens_per_step), None
 
-    def sim_on_failure(self, job, unit: int, down: frozenset[int], t: float, sim: dict) -> float:
-        """Seconds of pause when GPU `unit` fails (`down`: the GPUs down before it)."""
-        return job.event_pause_s
+    @classmethod
+    def sim_validate(cls, job) -> None:
+        """Refuse a simulator Job this policy cannot run (raise ValueError)."""
 
-    def sim_on_recovery(self, job, unit: int, t: float, sim: dict) -> float:
-        """Seconds of pause when GPU `unit` comes back."""
-        return 0.0
+    def sim_job(self, job):
+        """The job this policy runs on the same GPUs (a policy that needs another layout changes it)."""
+        return job
+
+    def sim_on_failure(self, job, unit: int, down: frozenset[int], t: float, sim: dict) -> float:
+        """Seconds of pause when GPU `unit` fails (`down`: the GPUs down before it). The rule shared by
+        every policy whose communicator changes: one re-formation, job.const('reform_s')."""
+        return job.const("reform_s")
+
+    def sim_on_recovery(self, job, unit: int, down: frozenset[int], t: float, sim: dict) -> float:
+        """Seconds of pause when GPU `unit` comes back (`down`: the GPUs still down); it rejoins the
+        communicator: the same rule."""
+        return job.const("reform_s")
 
     def sim_checkpoint_interval(self, job, cost, mtbf_s: float) -> int | None:
         """Steps between checkpoints; a policy that returns one rolls back to the last checkpoint at every

@@ -1,51 +1,75 @@
-"""Bamboo (NSDI'23), a throughput model: redundant computation every step (each stage also runs its
-successor's forward, in the pipeline bubbles where it fits); on a failure the predecessor takes over at
-`bamboo_fallback`x speed until a reconfiguration completes, then pipelines run on the remaining GPUs; two
-failed GPUs adjacent in one pipeline (or adjacent replicas when pp = 1) force a full restart. Exact, so the
-trainer does not run it."""
+"""Bamboo (NSDI'23), a throughput model of its published mechanism, on pipeline layouts only (a pure
+data-parallel job is given job.const('bamboo_stages') stages): every stage also runs its successor's
+forward (redundant computation), in the pipeline bubbles where it fits; when a GPU is lost its predecessor
+adopts its stage at bamboo_fallback x step time until a reconfiguration, which Bamboo starts when
+2 x overloaded / active GPUs exceeds bamboo_reconfig_threshold or another pipeline can be formed, and which
+pauses training for bamboo_reconfig_s and leaves GPUs // stages pipelines of the full depth (the other
+GPUs wait); a GPU lost next to a stage already being covered is fatal: a full restart (bamboo_restart_s).
+Exact, so the trainer does not run it."""
 
 from __future__ import annotations
 
-from . import register
-from .oobleck import Oobleck
+from dataclasses import replace
 
-# Reconfiguration pauses of Oobleck's copy of Bamboo's simulator (docs/simulators.md): GPT-3 medium (350M)
-# 100 s, 2.7B 230 s, 6.7B 450 s; 1B interpolated in log-parameters.
-BAMBOO_RECONFIG_S = {"llama-350m": 100.0, "llama-1b": 150.0, "llama-7b": 450.0}
+from . import Policy, register
+from .oobleck import compute_time
 
 
-def adjacent(u: int, failed: frozenset[int], job) -> bool:
-    """Whether GPU u has a failed neighbour stage in its pipeline (or a failed neighbour replica at pp = 1)."""
+def predecessor(u: int, job) -> int:
+    """The GPU that covers u: the previous stage of its pipeline (stage 0 wraps to the last)."""
     r, s = divmod(u, job.pp)
-    if job.pp > 1:
-        return any(v in failed for v in (r * job.pp + s - 1, r * job.pp + s + 1) if 0 <= s + (v - u) < job.pp)
-    return ((r - 1) % job.dp) in failed or ((r + 1) % job.dp) in failed
+    return r * job.pp + (s - 1) % job.pp
 
 
 @register
-class Bamboo(Oobleck):
+class Bamboo(Policy):
     name = "bamboo"
-    summary = "redundant successor forward in bubbles; fallback 1.5x until reconfiguration; restart on adjacent failures (simulator only)"
+    summary = "redundant successor forward in bubbles; predecessor covers at 1.5x until reconfiguration; restart on adjacent failures (simulator only)"
     order = 7
+    trains = False
+    exact = True
 
-    def failure_free_parts(self, job, cost) -> dict:
-        parts = cost.parts()
-        parts["redundant"] = max(0.0, job.micro_batches * cost.t_mb / 3 - (job.pp - 1) * cost.t_mb)
-        return parts
+    def sim_job(self, job):
+        if job.pp > 1:
+            return job
+        stages = int(job.const("bamboo_stages"))
+        if job.gpus % stages:
+            raise ValueError(f"bamboo_stages={stages} must divide the job's {job.gpus} GPUs")
+        return replace(job, dp=job.gpus // stages, pp=stages)
 
     def sim_step(self, job, cost, failed, t, sim):
-        parts, tokens, _ = super().sim_step(job, cost, failed, t, sim)
-        until = sim.get("fallback_until", -1.0)
-        if t < until and parts["degraded"] != float("inf"):  # the predecessor covers at fallback speed
-            parts["degraded"] += sum(parts.values()) * (job.bamboo_fallback - 1)
-            return parts, tokens, until
+        parts, tokens = cost.parts(), float(job.tokens_per_step)
+        m, pp = job.micro_batches, job.pp
+        parts["redundant"] = max(0.0, m * cost.t_mb / 3 - (pp - 1) * cost.t_mb)  # successor forward = 1/3 of fwd+bwd
+        pipes = sim.setdefault("pipelines", (job.gpus - len(failed)) // pp)
+        if pipes == 0:
+            return parts | {"degraded": float("inf")}, 0.0, None
+        busy = compute_time((pp,) * pipes, m * job.dp, pp, cost.t_mb)
+        parts["degraded"] = busy - parts["compute"] - parts["bubble"]
+        if sim.get("covering"):  # predecessors cover lost stages until the reconfiguration
+            parts["degraded"] += sum(parts.values()) * (job.const("bamboo_fallback") - 1)
         return parts, tokens, None
 
+    def _reconfigure(self, job, alive: int, sim: dict) -> None:
+        sim["pipelines"], sim["covering"], sim["lost"] = alive // job.pp, set(), set()
+
     def sim_on_failure(self, job, unit, down, t, sim):
-        pause = job.bamboo_restart_s if adjacent(unit, down, job) else job.event_pause_s
-        sim["fallback_until"] = t + pause + BAMBOO_RECONFIG_S.get(job.model, 150.0)
-        return pause
+        covering, lost = sim.setdefault("covering", set()), sim.setdefault("lost", set())
+        sim.setdefault("pipelines", (job.gpus - len(down)) // job.pp)
+        alive, pred = job.gpus - len(down) - 1, predecessor(unit, job)
+        if unit in covering or pred in covering or pred in lost:  # two adjacent stages lost: fatal
+            self._reconfigure(job, alive, sim)
+            return job.const("bamboo_restart_s")
+        covering.add(pred)
+        lost.add(unit)
+        if 2 * len(covering) / max(alive, 1) > job.const("bamboo_reconfig_threshold"):
+            self._reconfigure(job, alive, sim)
+            return job.const("bamboo_reconfig_s")
+        return 0.0
 
-    def sim_on_recovery(self, job, unit, t, sim):
-        return BAMBOO_RECONFIG_S.get(job.model, 150.0)
-
+    def sim_on_recovery(self, job, unit, down, t, sim):
+        alive = job.gpus - len(down)
+        if alive // job.pp > sim.get("pipelines", 0):  # another pipeline can be formed
+            self._reconfigure(job, alive, sim)
+            return job.const("bamboo_reconfig_s")
+        return 0.0

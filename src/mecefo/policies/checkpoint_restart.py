@@ -1,7 +1,8 @@
 """Checkpoint-restart: every rank computes (spare nodes replace the failed ones); each new failure rolls
 everyone back to the last checkpoint, taken every `restart_every` steps, and the steps since are replayed.
-In the simulator the checkpoint interval is Young/Daly's sqrt(2 C MTBF) and a failure costs the work
-since the last checkpoint plus `restart_s`."""
+In the simulator the checkpoint interval is Young/Daly's sqrt(2 C MTBF) (C = checkpoint_s) and a failure
+costs the work since the last checkpoint, the wait for a spare (replacement_delay_s) and a full restart
+(restart_s: relaunch, rendezvous, checkpoint reload); a recovered GPU returns to the spare pool."""
 
 from __future__ import annotations
 
@@ -75,7 +76,10 @@ class CheckpointRestart(Policy):
         """Young/Daly: sqrt(2 C MTBF) / step time, in steps (None without failures)."""
         if not math.isfinite(mtbf_s):
             return None
-        return max(1, round(math.sqrt(2 * job.checkpoint_s * mtbf_s) / sum(cost.base.values())))
+        return max(1, round(math.sqrt(2 * job.const("checkpoint_s") * mtbf_s) / sum(cost.base.values())))
 
     def sim_on_failure(self, job, unit, down, t, sim):
-        return job.restart_s
+        return job.const("replacement_delay_s") + job.const("restart_s")
+
+    def sim_on_recovery(self, job, unit, down, t, sim):
+        return 0.0

@@ -16,6 +16,3 @@ class Drop(Policy):
         """Step time unchanged; a replica with a failed GPU trains none of its samples."""
         replicas = len({u // job.pp for u in failed})
         return cost.parts(), float(job.tokens_per_step) * (job.dp - replicas) / job.dp, None
-
-    def sim_on_failure(self, job, unit, down, t, sim):
-        return job.torchft_quorum_s  # the quorum re-forms

@@ -19,12 +19,14 @@ class MeCeFO(Policy):
 
     def sim_step(self, job, cost, failed, t, sim):
         """The slowest GPU sets the step: a neighbour covering k failed GPUs takes alpha_k times a normal
-        GPU's compute (mecefo.simulator.CostModel.alpha); nobody left in a stage: no progress."""
+        GPU's compute (mecefo.simulator.CostModel.alpha), less the share job.neighbour_slack of the extra
+        time that idle time hides (H2); nobody left in a stage: no progress."""
         parts, tokens = cost.parts(), float(job.tokens_per_step)
         if not failed:
             return parts, tokens, None
         k = neighbour_load(failed, job)
         if k >= job.dp:
             return parts | {"degraded": float("inf")}, 0.0, None
-        parts["degraded"] = (parts["compute"] + parts["bubble"]) * (cost.alpha(k, exact=self.exact_neighbour) - 1)
+        extra = (parts["compute"] + parts["bubble"]) * (cost.alpha(k, exact=self.exact_neighbour) - 1)
+        parts["degraded"] = (1 - job.neighbour_slack) * extra
         return parts, tokens, None
