@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     if reusable(path, digest):
         print(f"reusing {path}")
         return 0
-    seeds = 5 if quick else 30
+    seeds = 5 if quick else 100
     sizes = (32, 512, 8192, 100_000) if quick else (32, 128, 512, 2048, 8192, 32768, 100_000)
     steps = tqdm(total=4, desc="throughput", disable=not sys.stderr.isatty())
     result = {"horizon_s": HORIZON_S, "seeds": seeds, "git_commit": git_commit(), "sources_digest": digest}
