@@ -31,7 +31,7 @@ from .plan import NORMAL, Piece, StepPlan
 @dataclass(frozen=True)
 class ClusterConfig:
     ranks: int = 1  # data-parallel size n
-    backend: str = "local"  # local (simulated ranks in one process) | torch (torchrun, gloo / nccl)
+    backend: str = "local"  # local (simulated ranks in one process) | torch (torchrun, gloo / nccl) | torchft (mecefo.launch)
     shard: str = "none"  # torch backend: none (every rank holds the whole model) | fsdp (FSDP2 over the DP group)
     failures: str = "none"  # none | low | mid | high | custom:<interval_h>:<recovery_h> | path/to/trace.csv
     policy: str = "mecefo"  # a registered policy (mecefo.policies.trainer_policies())
@@ -51,11 +51,14 @@ class ClusterConfig:
     def validate(self) -> None:
         if self.ranks < 1:
             raise UsageError(f"cluster.ranks={self.ranks} must be at least 1")
-        if self.backend not in ("local", "torch"):
-            raise UsageError(f"cluster.backend={self.backend!r}; allowed: 'local', 'torch'")
+        if self.backend not in ("local", "torch", "torchft"):
+            raise UsageError(f"cluster.backend={self.backend!r}; allowed: 'local', 'torch', 'torchft'")
+        if self.backend == "torchft" and (self.shard != "none" or self.policy == "checkpoint-restart"):
+            raise UsageError("cluster.backend='torchft' runs unsharded and without rollbacks: not with "
+                             "cluster.shard='fsdp' or cluster.policy='checkpoint-restart'")
         if self.shard not in ("none", "fsdp"):
             raise UsageError(f"cluster.shard={self.shard!r}; allowed: 'none', 'fsdp'")
-        if self.shard == "fsdp" and self.backend != "torch":
+        if self.shard == "fsdp" and self.backend == "local":
             raise UsageError("cluster.shard='fsdp' needs cluster.backend='torch' (torchrun)")
         if self.low_rank_svd not in ("exact", "randomized", "auto"):
             raise UsageError(f"cluster.low_rank_svd={self.low_rank_svd!r}; allowed: 'exact', 'randomized', 'auto'")

@@ -264,9 +264,34 @@ def scenario(spec: str) -> FailureScenario:
 
 def resolve(spec: str, n_ranks: int, steps: int, seconds_per_step: float, seed: int, recovery: str = "fixed",
             failable: tuple[int, ...] | None = None, start: str = "cold") -> Schedule:
-    """A scenario (name or custom:...) or the path of a trace CSV (a trace starts as it says)."""
+    """A scenario (name or custom:...), the path of a trace CSV (a trace starts as it says), or
+    steps:<file.json>, the failed set of every step as a run logged it (mecefo.launch's failed_steps.json)."""
+    if spec.startswith("steps:"):
+        return read_failed_steps(Path(spec[len("steps:"):]), n_ranks, steps, seconds_per_step)
     if spec in SCENARIOS or spec.startswith("custom:"):
         return generate(scenario(spec), n_ranks, steps, seconds_per_step, seed, recovery, failable, start)
     if spec.endswith(".csv") or Path(spec).exists():
         return read_trace(spec, n_ranks, steps, seconds_per_step)
     return generate(scenario(spec), n_ranks, steps, seconds_per_step, seed, recovery, failable)  # raises
+
+
+def read_failed_steps(path: Path, n_ranks: int, steps: int, seconds_per_step: float) -> Schedule:
+    """A Schedule that replays logged failed sets step by step ({"n_ranks": n, "failed": [[ranks], ...]})."""
+    import json
+
+    try:
+        data = json.loads(path.read_text())
+        failed = [frozenset(int(r) for r in f) for f in data["failed"]]
+        logged_n = int(data["n_ranks"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UsageError(f"failed steps {path}: {e}") from None
+    if logged_n != n_ranks:
+        raise UsageError(f"failed steps {path} were logged on {logged_n} ranks, not {n_ranks}")
+    if len(failed) < steps:
+        raise UsageError(f"failed steps {path} cover {len(failed)} steps, fewer than {steps}")
+    if any(not 0 <= r < n_ranks for f in failed for r in f):
+        raise UsageError(f"failed steps {path} name a rank outside 0..{n_ranks - 1}")
+    failed = failed[:steps]
+    events = [Event(s * seconds_per_step, "remove", r) for s in range(1, steps) for r in sorted(failed[s] - failed[s - 1])]
+    events += [Event(s * seconds_per_step, "add", r) for s in range(1, steps) for r in sorted(failed[s - 1] - failed[s])]
+    return Schedule(n_ranks, tuple(failed), tuple(events), seconds_per_step, failed[0] if failed else frozenset())

@@ -336,6 +336,9 @@ class Run:
 def run(cfg: Config, out: Path, resume: bool = False, stop_after: int | None = None, quiet: bool = False) -> dict:
     """Train cfg for cfg.train.steps steps (or until stop_after, leaving a checkpoint) and return the summary.
     Under the torch backend every process calls run(); rank 0 alone writes files and prints."""
+    if cfg.cluster.backend == "torchft":
+        raise UsageError("cluster.backend='torchft' runs one process per rank under a supervisor: "
+                         "use python -m mecefo.launch (see README, Real failures)")
     device = resolve_device(cfg.train.device)
     rank, device = _setup_backend(cfg, device)
     main = rank == 0

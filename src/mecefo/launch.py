@@ -1,0 +1,317 @@
+"""Real failures: train with the torchft backend while a supervisor kills replica processes with SIGKILL
+and restarts them.
+
+    python -m mecefo.launch --config experiments/configs/nano.toml --ranks 3 --failures high --out DIR
+    python -m mecefo.launch ... --kill 1:10:20 --kill 2:heal        # explicit kills (see --help)
+
+Starts torchft's lighthouse (in this process), the n replica processes (`python -m mecefo.ft`), and a
+supervisor that follows the committed step. The kill plan comes from the failure schedule (--failures, as
+for mecefo.train: a scenario at cluster.seconds_per_step, or a trace; a rank failed at step s is killed
+once step s is reached, and restarted at its recovery step) and from --kill R:S[:S2] (kill rank R at step
+S and, with S2, restart it once step S2 is committed) or --kill R:heal (kill rank R while it is healing,
+the next time it heals; it is restarted at once). A restarted process heals from a live peer and rejoins. Every process started here is
+killed on exit, Ctrl-C included. If every replica is dead at once, the run stops (exit 3) with the last
+checkpoint intact; `--resume` continues from it.
+
+Outputs in DIR: metrics.jsonl (one row per committed step, as mecefo.train's), events.json (kills,
+restarts, who covered whom, when each rank healed and rejoined, with wall times), failed_steps.json (the
+failed set of every step, for the simulated twin: `python -m mecefo.train ... --failures steps:DIR/failed_steps.json`),
+summary.json, and replicas/ (each replica's rows, status and log).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import config as config_mod
+from . import failures
+from .errors import TrainingStopped, UsageError
+from .records import atomic_write_json, git_commit
+
+POLL_S = 0.02
+
+
+@dataclass
+class Kill:
+    rank: int
+    at_step: int | None  # kill once this step is committed (None: while healing)
+    restart_step: int | None  # restart once this step is committed (None: never)
+    done: bool = False
+    restarted: bool = False
+
+
+@dataclass
+class Supervisor:
+    cfg: object
+    out: Path
+    lighthouse: str
+    kills: list[Kill]
+    min_step_s: float
+    quiet: bool = False
+    procs: dict = field(default_factory=dict)  # rank -> Popen
+    events: list = field(default_factory=list)
+    t0: float = field(default_factory=time.time)
+    furthest: int = 0
+    rejoining: set = field(default_factory=set)  # restarted ranks that have not trained yet
+
+    def log(self, msg: str, **event) -> None:
+        if event:
+            self.events.append({"time": time.time(), **event})
+        if not self.quiet:
+            print(f"[launch {time.time() - self.t0:7.2f}s] {msg}", flush=True)
+
+    def start(self, rank: int, why: str, wait_for: int = 1) -> None:
+        log = open(self.out / "replicas" / f"rank{rank}.log", "a")
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+                   RUST_LOG=os.environ.get("RUST_LOG", "warn"))
+        extra = ["--rejoin"] if why != "initial" else ["--wait-for", str(wait_for)]
+        self.procs[rank] = subprocess.Popen(
+            [sys.executable, "-m", "mecefo.ft", "--out", str(self.out), "--replica", str(rank),
+             "--lighthouse", self.lighthouse, "--min-step-s", str(self.min_step_s)] + extra,
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.log(f"started rank {rank} (pid {self.procs[rank].pid}, {why})", kind="start", rank=rank, why=why,
+                 step=self.committed())
+
+    def kill(self, rank: int, why: str) -> None:
+        proc = self.procs.pop(rank)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        self.log(f"killed rank {rank} with SIGKILL at step {self.committed()} ({why})", kind="kill", rank=rank,
+                 why=why, step=self.committed())
+
+    def committed(self) -> int:
+        """The highest step any replica has committed (from the replicas' status files)."""
+        for path in (self.out / "replicas").glob("rank*.status"):
+            try:
+                what = path.read_text().split()
+            except OSError:
+                continue
+            if what and what[0] == "step":
+                self.furthest = max(self.furthest, int(what[1]))
+            elif what and what[0] == "finished":
+                self.furthest = max(self.furthest, self.cfg.train.steps)
+        return self.furthest
+
+    def training(self, rank: int) -> bool:
+        try:
+            return (self.out / "replicas" / f"rank{rank}.status").read_text().startswith(("step", "finished"))
+        except OSError:
+            return False
+
+    def healing(self, rank: int) -> bool:
+        try:
+            return (self.out / "replicas" / f"rank{rank}.status").read_text().startswith("healing")
+        except OSError:
+            return False
+
+    def run(self, initially_down: frozenset[int], resume: bool) -> None:
+        n, steps = self.cfg.cluster.ranks, self.cfg.train.steps
+        for r in range(n):
+            if r not in initially_down:
+                self.start(r, "initial", wait_for=n - len(initially_down))
+        while True:
+            step = self.committed()
+            for k in self.kills:
+                if not k.done and k.rank in self.procs and (
+                        (k.at_step is not None and step >= k.at_step) or (k.at_step is None and self.healing(k.rank))):
+                    self.kill(k.rank, "while healing" if k.at_step is None else f"scheduled at step {k.at_step}")
+                    k.done = True
+                if (k.done and not k.restarted and k.restart_step is not None and step >= k.restart_step
+                        and k.rank not in self.procs):
+                    if step < steps and self.procs:
+                        self.start(k.rank, "restart after a kill")
+                        self.rejoining.add(k.rank)
+                    k.restarted = True
+            for r, proc in list(self.procs.items()):
+                code = proc.poll()
+                if code is not None:
+                    del self.procs[r]
+                    if code != 0:
+                        self.log(f"rank {r} exited with status {code}", kind="exit", rank=r, code=code)
+            self.rejoining = {r for r in self.rejoining if r in self.procs and not self.training(r)}
+            if not set(self.procs) - self.rejoining:  # nobody left who trains (a restarted one cannot heal)
+                if self.committed() >= steps:
+                    self.stop()  # a replica still waiting to rejoin a finished run
+                    return
+                raise TrainingStopped(
+                    f"all {n} replicas are dead at step {step}; nobody is left to heal the others. The last "
+                    f"checkpoint in {self.out} is intact (if train.checkpoint_every wrote one); continue with --resume")
+            time.sleep(POLL_S)
+
+    def stop(self) -> None:
+        for r, proc in list(self.procs.items()):
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        self.procs.clear()
+
+
+def kill_plan(schedule: failures.Schedule, explicit: list[str], n: int) -> tuple[list[Kill], frozenset[int]]:
+    """Kills from the schedule's failed sets (a rank failed at step s is killed once s steps are committed,
+    restarted at its recovery step), then the explicit --kill specs. Returns them and the ranks down at 0."""
+    kills = []
+    failed = schedule.failed
+    for s in range(1, len(failed)):
+        for r in sorted(failed[s] - failed[s - 1]):
+            back = next((t for t in range(s + 1, len(failed)) if r not in failed[t]), None)
+            kills.append(Kill(r, s, back))
+    down0 = failed[0] if failed else frozenset()
+    for r in sorted(down0):  # down from the start: started at its recovery step
+        back = next((t for t in range(1, len(failed)) if r not in failed[t]), None)
+        kills.append(Kill(r, 0, back, done=True))
+    for spec in explicit:
+        parts = spec.split(":")
+        try:
+            rank = int(parts[0])
+            if len(parts) == 2 and parts[1] == "heal":
+                kills.append(Kill(rank, None, 0))
+            elif len(parts) in (2, 3):
+                kills.append(Kill(rank, int(parts[1]), int(parts[2]) if len(parts) == 3 else None))
+            else:
+                raise ValueError
+        except ValueError:
+            raise UsageError(f"--kill {spec!r}: expected RANK:STEP[:RESTART_STEP] or RANK:heal") from None
+        if not 0 <= rank < n:
+            raise UsageError(f"--kill {spec!r}: rank must be in 0..{n - 1}")
+    return kills, down0
+
+
+def merge(out: Path, cfg, supervisor: Supervisor) -> dict:
+    """metrics.jsonl, failed_steps.json, events.json and summary.json from the replicas' files."""
+    n, steps = cfg.cluster.ranks, cfg.train.steps
+    rows, healed, per_rank = {}, [], {}
+    for r in range(n):
+        path = out / "replicas" / f"rank{r}.jsonl"
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            if "healed_at_step" in row:
+                healed.append({"rank": r, **row})
+                continue
+            per_rank.setdefault(r, []).append(row["step"])
+            first = rows.setdefault(row["step"], row)
+            if abs(first["loss"] - row["loss"]) > 1e-9 * max(1.0, abs(first["loss"])) or first["failed"] != row["failed"]:
+                raise TrainingStopped(f"step {row['step']}: replicas disagree (rank {first['rank']} vs rank {r})")
+            if "val_loss" in row:
+                first["val_loss"] = row["val_loss"]
+    missing = [s for s in range(1, steps + 1) if s not in rows]
+    if missing:
+        raise TrainingStopped(f"steps {missing[:5]} were never committed")
+    for r, seq in per_rank.items():  # no step applied twice by a replica
+        if any(b <= a for a, b in zip(seq, seq[1:])):
+            raise TrainingStopped(f"rank {r} committed a step twice: {seq}")
+    finals = [json.loads(p.read_text()) for p in sorted((out / "replicas").glob("rank*.final.json"))]
+    finals = [f for f in finals if f["step"] == steps]
+    identical = all(f["digest"] == finals[0]["digest"] for f in finals)
+    with open(out / "metrics.jsonl", "w") as f:
+        for s in range(1, steps + 1):
+            f.write(json.dumps(rows[s]) + "\n")
+    atomic_write_json(out / "failed_steps.json", {"n_ranks": n, "failed": [rows[s]["failed"] for s in range(1, steps + 1)]})
+    timings = recovery_times(supervisor.events, rows, healed)
+    atomic_write_json(out / "events.json", {"events": supervisor.events, "healed": healed, "timings": timings})
+    summary = {"config": cfg.to_dict(), "config_hash": cfg.hash(), "backend": "torchft", "steps": steps,
+               "final_train_loss": rows[steps]["loss"], "final_val_loss": finals[0]["val_loss"],
+               "final_val_ppl": math.exp(finals[0]["val_loss"]), "final_test_loss": finals[0]["test_loss"],
+               "rank_agreement": {"ranks_checked": [f["rank"] for f in finals], "identical": identical},
+               "kills": sum(e["kind"] == "kill" for e in supervisor.events), "timings": timings,
+               "wall_time_s": time.time() - supervisor.t0, "git_commit": git_commit()}
+    atomic_write_json(out / "summary.json", summary)
+    if not identical:
+        raise TrainingStopped(f"the live replicas ended with different parameters (ranks {summary['rank_agreement']})")
+    return summary
+
+
+def recovery_times(events: list, rows: dict, healed: list) -> dict:
+    """Seconds from each kill to the first committed step without the killed rank, and from each restart
+    to the first committed step the restarted rank took part in."""
+    committed = [rows[s] for s in sorted(rows)]
+    to_first_step, to_rejoin = [], []
+    for e in events:
+        if e["kind"] == "kill":
+            after = [r["time"] for r in committed if r["time"] > e["time"] and e["rank"] in r["failed"]]
+            if after:
+                to_first_step.append(after[0] - e["time"])
+        if e["kind"] == "start" and e["why"] != "initial":
+            after = [r["time"] for r in committed if r["time"] > e["time"] and e["rank"] not in r["failed"]]
+            if after:
+                to_rejoin.append(after[0] - e["time"])
+    return {"kill_to_step_s": to_first_step, "restart_to_rejoin_s": to_rejoin}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mecefo.launch", description=__doc__.splitlines()[0],
+                                     epilog="Any config field can be overridden as for mecefo.train (--steps 30 ...).")
+    parser.add_argument("--config")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--kill", action="append", default=[],
+                        help="RANK:STEP (killed for good), RANK:STEP:RESTART_STEP, or RANK:heal (killed while healing, restarted)")
+    parser.add_argument("--min-step-s", type=float, default=0.0, help="pace steps to at least this long (so kills land)")
+    parser.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt")
+    parser.add_argument("--quiet", action="store_true")
+    supervisor = lighthouse = None
+    try:
+        from .train import parse_args as train_args
+
+        args, rest = parser.parse_known_args(argv)
+        _, overrides = train_args(rest)
+        cfg = config_mod.load(args.config, {**overrides, "backend": "torchft"})
+        out = Path(args.out)
+        if (out / "replicas").exists() and not args.resume:
+            raise UsageError(f"{out} holds a run; pass --resume to continue it or choose another --out")
+        if args.resume and not (out / "checkpoint.pt").exists():
+            raise UsageError(f"--resume: no checkpoint in {out}")
+        (out / "replicas").mkdir(parents=True, exist_ok=True)
+        for p in (out / "replicas").glob("rank*.status"):
+            p.unlink()
+        atomic_write_json(out / "config.json", {"config_hash": cfg.hash(), "config": cfg.to_dict()})
+        cc = cfg.cluster
+        schedule = failures.resolve(cc.failures, cc.ranks, cfg.train.steps, cc.seconds_per_step,
+                                    cfg.train.seed if cc.failure_seed < 0 else cc.failure_seed, cc.recovery,
+                                    cc.failable_ranks(), cc.failure_start)
+        kills, down0 = kill_plan(schedule, args.kill, cc.ranks)
+        if len(down0) == cc.ranks:
+            raise UsageError("every rank is down at step 0 under this schedule; nothing can start")
+        os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum at info
+        from torchft.coordination import LighthouseServer
+
+        lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=500, quorum_tick_ms=20,
+                                      heartbeat_timeout_ms=1000)
+        supervisor = Supervisor(cfg, out, lighthouse.address(), kills, args.min_step_s, args.quiet)
+        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+        supervisor.run(down0, args.resume)
+        summary = merge(out, cfg, supervisor)
+        t = summary["timings"]
+        print(f"done: {summary['kills']} kills; val loss {summary['final_val_loss']:.4f}; kill -> first step without "
+              f"the rank {_fmt(t['kill_to_step_s'])} s, restart -> rejoin {_fmt(t['restart_to_rejoin_s'])} s -> {out}", flush=True)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except TrainingStopped as e:
+        print(f"stopped: {e}", file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:
+        print("interrupted: every replica process was killed", file=sys.stderr)
+        return 130
+    finally:
+        if supervisor is not None:
+            supervisor.stop()
+        if lighthouse is not None:
+            lighthouse.shutdown()
+    return 0
+
+
+def _fmt(values: list[float]) -> str:
+    return "/".join(f"{v:.2f}" for v in values) if values else "-"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""Real failures on torchft: replica processes killed with SIGKILL and restarted by mecefo.launch, against
+the local backend replaying the same failed steps."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from experiments.common import CONFIGS, ROOT
+from mecefo.errors import UsageError
+from mecefo.failures import read_failed_steps, resolve
+from mecefo.launch import kill_plan
+from mecefo.train import main as train_main
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+NANO = ["--config", str(CONFIGS / "nano.toml")]
+
+
+def _launch(out, *args, env=None, timeout=240):
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "mecefo.launch", *NANO, "--out", str(out), *args],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+
+
+def _rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_killed_replicas_come_back_and_the_run_equals_its_simulated_twin(tmp_path):
+    """Rank 1 is killed, restarted, killed again while healing and restarted; its neighbour (rank 2) is
+    killed while covering it, so rank 0 covers both. The run completes, every step is committed once,
+    the live replicas end identical, and the loss curve is the local backend's on the same failed steps."""
+    out = tmp_path / "ft"
+    r = _launch(out, "--ranks", "3", "--steps", "100", "--eval_every", "50", "--min-step-s", "0.12",
+                "--kill", "1:8:12", "--kill", "1:heal", "--kill", "2:16:30", env={"MECEFO_FT_HEAL_DELAY_S": "1.5"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rank_agreement"]["identical"] and summary["rank_agreement"]["ranks_checked"] == [0, 1, 2]
+    events = json.loads((out / "events.json").read_text())
+    kills = [e for e in events["events"] if e["kind"] == "kill"]
+    assert sorted(e["rank"] for e in kills) == [1, 1, 2]
+    assert [e["rank"] for e in kills if e["why"] == "while healing"] == [1]
+    assert {h["rank"] for h in events["healed"]} == {1, 2}
+    rows = _rows(out / "metrics.jsonl")
+    assert [row["step"] for row in rows] == list(range(1, 101))  # none lost (merge refuses doubles)
+    both = [row for row in rows if row["failed"] == [1, 2]]
+    assert both and all(row["neighbours"] == {"1": 0, "2": 0} for row in both)  # the neighbour died too
+    assert rows[-1]["failed"] == []  # everyone came back
+    twin = tmp_path / "twin"
+    assert train_main([*NANO, "--ranks", "3", "--steps", "100", "--eval_every", "50", "--quiet", "--out", str(twin),
+                       "--failures", f"steps:{out / 'failed_steps.json'}"]) == 0
+    local = [row for row in _rows(twin / "metrics.jsonl") if row["step"] > 0]
+    # the same plans; the sums differ only in order (pieces batched across ranks vs one all-reduce)
+    for a, b in zip(rows, local):
+        assert a["failed"] == b["failed"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    assert summary["final_val_loss"] == pytest.approx(json.loads((twin / "summary.json").read_text())["final_val_loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_every_replica_dead_stops_with_the_last_checkpoint_intact(tmp_path):
+    out = tmp_path / "ft"
+    r = _launch(out, "--ranks", "2", "--steps", "40", "--checkpoint_every", "5", "--min-step-s", "0.05",
+                "--kill", "0:12", "--kill", "1:12")
+    assert r.returncode == 3, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "all 2 replicas are dead" in r.stderr and "--resume" in r.stderr
+    import torch
+
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert ckpt["step"] % 5 == 0 and 5 <= ckpt["step"] <= 15
+
+
+def test_bad_input_is_refused_before_anything_starts(tmp_path):
+    r = _launch(tmp_path / "a", "--ranks", "2", "--kill", "one:2")
+    assert r.returncode == 2 and "--kill" in r.stderr
+    r = _launch(tmp_path / "b", "--ranks", "2", "--kill", "5:2")
+    assert r.returncode == 2 and "rank must be in 0..1" in r.stderr
+    r = _launch(tmp_path / "c", "--ranks", "2", "--policy", "checkpoint-restart")
+    assert r.returncode == 2 and "torchft" in r.stderr
+    assert train_main([*NANO, "--backend", "torchft", "--quiet", "--out", str(tmp_path / "d")]) == 2
+
+
+def test_kill_plan_from_a_schedule_and_explicit_kills():
+    schedule = resolve("custom:0.5:2", 4, 200, 220.0, seed=3, start="stationary")
+    kills, down0 = kill_plan(schedule, ["1:5:9", "2:heal"], 4)
+    for k in kills[:-2]:  # from the schedule: killed at its failure step, restarted when it is back
+        if k.at_step:
+            assert k.rank in schedule.failed[k.at_step] and k.rank not in schedule.failed[k.at_step - 1]
+            assert k.restart_step is None or k.rank not in schedule.failed[k.restart_step]
+    assert down0 == schedule.failed[0]
+    assert (kills[-2].rank, kills[-2].at_step, kills[-2].restart_step) == (1, 5, 9)
+    assert (kills[-1].rank, kills[-1].at_step) == (2, None)
+
+
+def test_failed_steps_replay_exactly(tmp_path):
+    path = tmp_path / "f.json"
+    path.write_text(json.dumps({"n_ranks": 3, "failed": [[], [1], [1, 2], [2], []]}))
+    s = read_failed_steps(path, 3, 5, 10.0)
+    assert [sorted(f) for f in s.failed] == [[], [1], [1, 2], [2], []]
+    assert s.failure_events() == 2
+    with pytest.raises(UsageError, match="4 ranks|not 4"):
+        read_failed_steps(path, 4, 5, 10.0)
+    with pytest.raises(UsageError, match="fewer than"):
+        read_failed_steps(path, 3, 6, 10.0)
