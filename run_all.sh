@@ -19,6 +19,7 @@ python -m experiments.svd_accuracy $quick
 step "training-step benchmark (ours vs a plain reference loop)"
 python -m experiments.bench_train $quick
 python -m experiments.bench_ranks $quick
+python -m experiments.bench_ft $quick
 
 step "neighbour cost ablation (the paper's Table 6)"
 python -m experiments.ablation $quick

@@ -44,6 +44,7 @@ from .records import atomic_write_json, atomic_write_text
 from .train import Progress, apply_update, autocast, build_optimizer, clip_gradients, evaluate, lr_at, resolve_device
 
 HEAL_DELAY_ENV = "MECEFO_FT_HEAL_DELAY_S"  # tests: hold a healing replica so that it can be killed while healing
+HOST_ENV = "MECEFO_FT_HOST"  # this replica's store address (default localhost; set it on multi-node runs)
 TIMEOUT_S = 30.0  # torchft's collective / quorum timeouts on localhost
 
 
@@ -107,10 +108,11 @@ class Replica:
         if (out / "checkpoint.pt").exists():  # every replica starts from the last checkpoint; those behind heal
             start = checkpoint.restore(checkpoint.load(out / "checkpoint.pt", cfg.hash()), self.components)
         # each replica group hosts its own store (torchrun would; a bare process must)
-        self.store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+        host = os.environ.get(HOST_ENV, "localhost")  # across nodes: an address the other replicas can reach
+        self.store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
         pg = (ProcessGroupNCCL if self.device.type == "cuda" else ProcessGroupGloo)(timeout=timedelta(seconds=TIMEOUT_S))
         self.manager = Manager(pg=pg, load_state_dict=self.load_state, state_dict=self.state, min_replica_size=1,
-                               use_async_quorum=False, replica_id=f"mecefo_{rank}", store_addr="localhost",
+                               use_async_quorum=False, replica_id=f"mecefo_{rank}", store_addr=host,
                                store_port=self.store.port, rank=0, world_size=1, lighthouse_addr=lighthouse,
                                timeout=timedelta(seconds=TIMEOUT_S), quorum_timeout=timedelta(seconds=TIMEOUT_S),
                                init_sync=False)

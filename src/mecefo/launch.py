@@ -62,6 +62,7 @@ class Supervisor:
     t0: float = field(default_factory=time.time)
     furthest: int = 0
     rejoining: set = field(default_factory=set)  # restarted ranks that have not trained yet
+    gpus: int = 0  # CUDA devices on this node (replicas are placed round-robin)
 
     def log(self, msg: str, **event) -> None:
         if event:
@@ -73,6 +74,8 @@ class Supervisor:
         log = open(self.out / "replicas" / f"rank{rank}.log", "a")
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                    RUST_LOG=os.environ.get("RUST_LOG", "warn"))
+        if self.gpus and "CUDA_VISIBLE_DEVICES" not in os.environ:  # one GPU per replica on this node
+            env["CUDA_VISIBLE_DEVICES"] = str(rank % self.gpus)
         extra = ["--rejoin"] if why != "initial" else ["--wait-for", str(wait_for)]
         self.procs[rank] = subprocess.Popen(
             [sys.executable, "-m", "mecefo.ft", "--out", str(self.out), "--replica", str(rank),
@@ -286,6 +289,10 @@ def main(argv: list[str] | None = None) -> int:
         lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=500, quorum_tick_ms=20,
                                       heartbeat_timeout_ms=1000)
         supervisor = Supervisor(cfg, out, lighthouse.address(), kills, args.min_step_s, args.quiet)
+        import torch
+
+        if cfg.train.device in ("auto", "cuda") and torch.cuda.is_available():
+            supervisor.gpus = torch.cuda.device_count()
         signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
         supervisor.run(down0, args.resume)
         summary = merge(out, cfg, supervisor)
