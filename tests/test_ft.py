@@ -43,7 +43,7 @@ def test_killed_replicas_come_back_and_the_run_equals_its_simulated_twin(tmp_pat
     kills = [e for e in events["events"] if e["kind"] == "kill"]
     assert sorted(e["rank"] for e in kills) == [1, 1, 2]
     assert [e["rank"] for e in kills if e["why"] == "while healing"] == [1]
-    assert {h["rank"] for h in events["healed"]} == {1, 2}
+    assert {1, 2} <= {h["rank"] for h in events["healed"]}  # a survivor whose commit failed may heal too
     rows = _rows(out / "metrics.jsonl")
     assert [row["step"] for row in rows] == list(range(1, 101))  # none lost (merge refuses doubles)
     both = [row for row in rows if row["failed"] == [1, 2]]

@@ -43,7 +43,7 @@ from .plan import StepPlan
 from .records import atomic_write_json, atomic_write_text
 from .train import Progress, apply_update, autocast, build_optimizer, clip_gradients, evaluate, lr_at, resolve_device
 
-HEAL_DELAY_ENV = "MECEFO_FT_HEAL_DELAY_S"  # tests: hold a healing replica so that it can be killed while healing
+HEAL_DELAY_ENV = "MECEFO_FT_HEAL_DELAY_S"  # tests: hold a process's first healing so that it can be killed then
 HOST_ENV = "MECEFO_FT_HOST"  # this replica's store address (default localhost; set it on multi-node runs)
 TIMEOUT_S = 30.0  # torchft's collective / quorum timeouts on localhost
 
@@ -118,7 +118,7 @@ class Replica:
                                init_sync=False)
         self.manager.load_state_dict({"step": start, "batches_committed": 0})
         self.cluster.manager, self.cluster.rank = self.manager, rank
-        self.healed_at = None
+        self.healed_at, self.healed_before = None, False
 
     # torchft's healing: what a live peer sends, and how the restarted replica takes it
     def state(self) -> dict:
@@ -127,8 +127,9 @@ class Replica:
     def load_state(self, state: dict) -> None:
         self.status("healing")
         delay = float(os.environ.get(HEAL_DELAY_ENV, "0") or 0)
-        if delay:
+        if delay and not self.healed_before:
             time.sleep(delay)
+        self.healed_before = True
         for k, v in state.items():
             self.components[k].load_state_dict(v)
         self.healed_at = time.time()
@@ -186,6 +187,10 @@ class Replica:
                 self.manager.start_quorum()
             first = False
             step = self.manager.current_step()
+            if os.environ.get("MECEFO_FT_DEBUG"):
+                print(f"DEBUG rank {self.rank} step {step} participating {self.manager.is_participating()} "
+                      f"rank_in_quorum {self.manager.participating_rank()} n {self.manager.num_participants()} "
+                      f"healed {self.healed_at is not None}", flush=True)
             if self.healed_at is not None:
                 print(f"rank {self.rank}: healed from a live peer at step {step}", flush=True)
                 log.write(json.dumps({"healed_at_step": step, "time": self.healed_at}) + "\n")
