@@ -187,10 +187,6 @@ class Replica:
                 self.manager.start_quorum()
             first = False
             step = self.manager.current_step()
-            if os.environ.get("MECEFO_FT_DEBUG"):
-                print(f"DEBUG rank {self.rank} step {step} participating {self.manager.is_participating()} "
-                      f"rank_in_quorum {self.manager.participating_rank()} n {self.manager.num_participants()} "
-                      f"healed {self.healed_at is not None}", flush=True)
             if self.healed_at is not None:
                 print(f"rank {self.rank}: healed from a live peer at step {step}", flush=True)
                 log.write(json.dumps({"healed_at_step": step, "time": self.healed_at}) + "\n")
