@@ -35,6 +35,7 @@ python -m experiments.hypotheses $quick
 step "analysis: bias and variance, Assumption 3 along training, the O(1/sqrt(nT)) rate"
 python -m analysis.bias_variance $quick
 python -m analysis.grad_error $quick
+python -m experiments.rate_gpt $quick
 python -m analysis.rate $quick
 
 step "figures and tables"

@@ -13,6 +13,9 @@
     `drop` averages the survivors. Momentum SGD (beta = 0.9) with the theory's step eta = c sqrt(n / T).
     The quantity is (1/T) sum_t ||grad f(x_t)||^2 averaged over seeds; its slope against nT should be -1/2.
 (b) From results/sweep: training loss and gradient norm of the failure-free GPT runs against n x step.
+(c) From results/rate_gpt (experiments.rate_gpt: the theory's regime on the GPT): per policy, the mean over
+    seeds of the held-out (1/T) sum_t ||grad f(x_t)||^2 at each (n, T), its fitted slope against nT with a 95%
+    interval, and whether the regime of the bound is reached (a negative slope whose interval holds -1/2).
 Writes results/analysis/rate-<profile>.json; python -m paper_figures.rate draws it.
 """
 
@@ -104,6 +107,28 @@ def gpt_curves(quick: bool) -> list[dict]:
     return rows
 
 
+def gpt_rate(quick: bool) -> dict | None:
+    path = measurement("rate_gpt", "rate_gpt", quick)
+    if not path.exists():
+        return None
+    runs = json.loads(path.read_text())["runs"]
+    points, fits = [], {}
+    for p in POLICIES:
+        cells = {}
+        for r in runs:
+            if r["policy"] == p:
+                cells.setdefault((r["n"], r["T"]), []).append(r["avg_grad_sq"])
+        rows = [{"policy": p, "n": n, "T": t, "nT": n * t, "mean_sq_grad": float(np.mean(v)), "seeds": len(v)}
+                for (n, t), v in sorted(cells.items())]
+        points += rows
+        if len(rows) >= 3:
+            f = fit_rate([r["nT"] for r in rows], [r["mean_sq_grad"] for r in rows])
+            fits[p] = {"slope": f.slope, "intercept": f.intercept, "ci95": list(f.ci), "contains_-0.5": f.contains(-0.5),
+                       "regime_reached": f.slope < 0 and f.contains(-0.5)}
+    growth = float(np.mean([r["grad_sq"][-1] / r["grad_sq"][0] for r in runs]))
+    return {"points": points, "fits": fits, "held_out_growth": growth}
+
+
 def main(argv: list[str] | None = None) -> int:
     quick = quick_flag(argv, __doc__)
     path = measurement("analysis", "rate", quick)
@@ -112,10 +137,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         result = {"synthetic": synthetic(quick), "git_commit": git_commit()}
     result["gpt"] = gpt_curves(quick)
+    result["gpt_rate"] = gpt_rate(quick)
     atomic_write_json(path, result)
     for p, f in result["synthetic"]["fits"].items():
         print(f"rate {p}: slope {f['slope']:.3f}, 95% CI [{f['ci95'][0]:.3f}, {f['ci95'][1]:.3f}], "
               f"-1/2 inside: {f['contains_-0.5']}")
+    for p, f in (result["gpt_rate"] or {}).get("fits", {}).items():
+        print(f"GPT rate {p}: slope {f['slope']:.3f}, 95% CI [{f['ci95'][0]:.3f}, {f['ci95'][1]:.3f}], "
+              f"regime of the bound reached: {f['regime_reached']}")
     print(f"-> {path} (figures: python -m paper_figures.rate)")
     return 0
 

@@ -44,7 +44,7 @@ VARIANTS = {"oobleck (rejoin at next failure)": ("oobleck", {"oobleck_rejoin": "
 FITTED = "bamboo (reconfiguration fitted on 7B)"
 
 
-def fit_bamboo_reconfig(seeds: int, target_pct: float) -> float:
+def fit_bamboo_reconfig(seeds: int, target_pct: float) -> float | None:
     """The one constant we fit: a factor k on Bamboo's reconfiguration times (simulator_constants.json) such
     that the 7B high-failure drop equals the paper's Bamboo column (bisection on the mean over seeds; the
     drop grows with k); 350M and 1B are then predicted with the same k. None if k = 0 is already above."""
@@ -96,7 +96,7 @@ def table2(seeds: int, trace_dir) -> tuple[dict, dict]:
 
     paper_bamboo = paper_numbers()["table2_throughput_tokens_per_s"]["rows"]["llama-7b"]["Bamboo"][2]
     k = fit_bamboo_reconfig(seeds, paper_bamboo)
-    fit = {"factor": k, "fitted_on": "llama-7b", "target_pct": paper_bamboo}
+    fit = {"factor": k, "fitted_on": "llama-7b", "target_pct": paper_bamboo, "label": FITTED}
     rows = {}
     for name, job in PAPER_JOBS.items():
         cost = CostModel(job)

@@ -78,6 +78,8 @@ def test_bad_input_is_refused_before_anything_starts(tmp_path):
     assert r.returncode == 2 and "--kill" in r.stderr
     r = _launch(tmp_path / "b", "--ranks", "2", "--kill", "5:2")
     assert r.returncode == 2 and "rank must be in 0..1" in r.stderr
+    r = _launch(tmp_path / "e", "--ranks", "2", "--kill", "1:0")
+    assert r.returncode == 2 and "STEP must be at least 1" in r.stderr
     r = _launch(tmp_path / "c", "--ranks", "2", "--policy", "checkpoint-restart")
     assert r.returncode == 2 and "torchft" in r.stderr
     assert train_main([*NANO, "--backend", "torchft", "--quiet", "--out", str(tmp_path / "d")]) == 2
@@ -105,3 +107,32 @@ def test_failed_steps_replay_exactly(tmp_path):
         read_failed_steps(path, 4, 5, 10.0)
     with pytest.raises(UsageError, match="fewer than"):
         read_failed_steps(path, 3, 6, 10.0)
+
+
+@pytest.mark.slow
+def test_resume_after_every_replica_died_completes_the_run(tmp_path):
+    out = tmp_path / "ft"
+    r = _launch(out, "--ranks", "2", "--steps", "30", "--checkpoint_every", "5", "--min-step-s", "0.05", "--kill", "0:12",
+                "--kill", "1:12")
+    assert r.returncode == 3, r.stderr[-2000:]
+    r = _launch(out, "--ranks", "2", "--steps", "30", "--checkpoint_every", "5", "--min-step-s", "0.05", "--kill", "0:12",
+                "--kill", "1:12", "--resume")  # the kills up to the checkpoint's step are not repeated
+    assert r.returncode in (0, 3), r.stderr[-2000:]
+    if r.returncode == 3:  # the checkpoint was before step 12: the same kills stop it again, with the message
+        assert "all 2 replicas are dead" in r.stderr
+        r = _launch(out, "--ranks", "2", "--steps", "30", "--checkpoint_every", "5", "--resume")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert [row["step"] for row in _rows(out / "metrics.jsonl")] == list(range(1, 31))
+
+
+@pytest.mark.slow
+def test_a_table1_style_kill_schedule_trains_to_the_end_equal_to_its_twin(tmp_path):
+    out, twin = tmp_path / "ft", tmp_path / "twin"
+    args = ["--ranks", "4", "--steps", "150", "--failures", "custom:0.1:0.5", "--seconds_per_step", "60"]
+    r = _launch(out, *args, "--min-step-s", "0.1")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    events = json.loads((out / "events.json").read_text())["events"]
+    assert sum(e["kind"] == "kill" for e in events) >= 2 and any(e["why"] == "restart after a kill" for e in events)
+    assert train_main([*NANO, *args, "--quiet", "--out", str(twin), "--failures", f"steps:{out / 'failed_steps.json'}"]) == 0
+    for a, b in zip(_rows(out / "metrics.jsonl"), [row for row in _rows(twin / "metrics.jsonl") if row["step"] > 0]):
+        assert a["failed"] == b["failed"] and a["loss"] == pytest.approx(b["loss"], rel=1e-5)

@@ -123,7 +123,7 @@ def test_a_spot_trace_replays_in_the_simulator_with_gpus_coming_back(tmp_path):
     assert peak == 8 and len(down) == 2  # 4 of 8 trace nodes down at worst; 1 of 8 at the end, scaled to 16
     scaled = [Event(e.time_s * 600, e.kind, e.rank) for e in s.events]  # seconds -> 10-minute ticks
     out = simulate(JOB, "mecefo", scaled, 14 * 600.0, initially_down=s.initially_down)
-    assert out.tokens > 0 and out.events == sum(e.kind == "remove" for e in scaled)
+    assert out.tokens > 0 and out.events == len({e.time_s for e in scaled if e.kind == "remove"})  # a burst is one event
 
 
 # ---------------------------------------------------------------- baselines' mechanisms and hypotheses
@@ -274,3 +274,12 @@ def test_a_simulator_measurement_is_reused_only_when_made_by_the_same_code(tmp_p
     assert not reusable(path, "0" * 12)
     path.write_text("{broken")
     assert not reusable(path, sources_digest())
+
+
+def test_simultaneous_failures_are_one_event_with_one_pause():
+    """A node of 8 GPUs failing at once re-forms the communicator once (the longest pause of the group)."""
+    job = replace(PURE_DP, failure_unit=8)
+    node = [Event(100.0, "remove", u) for u in range(8)]
+    one = [Event(100.0, "remove", 0)]
+    assert simulate(job, "drop", node, H).breakdown["pause"] == pytest.approx(job.const("reform_s"))
+    assert simulate(job, "drop", node, H).events == simulate(job, "drop", one, H).events == 1

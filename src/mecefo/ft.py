@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -36,7 +37,7 @@ from . import checkpoint, config as config_mod, policies
 from .checkpoint import Component
 from .cluster import StepResult, _Common
 from .data import TokenData
-from .errors import UsageError
+from .errors import TrainingStopped, UsageError
 from .model import GPT, preset
 from .neighbour import LowRankWgrad
 from .plan import StepPlan
@@ -165,7 +166,10 @@ class Replica:
         self.status("waiting")
         while True:
             self.manager.start_quorum()
-            if (self.healed_at is not None) if rejoin else self.manager.num_participants() >= wait_for:
+            if rejoin:  # healed, or in a quorum with peers at its own step (torchft heals only those behind)
+                if self.healed_at is not None or (self.manager.num_participants() > 1 and self.manager.is_participating()):
+                    return True
+            elif self.manager.num_participants() >= wait_for:
                 return True
             self.manager.report_error(RuntimeError("waiting for peers"))  # makes should_commit False everywhere
             self.manager.should_commit()
@@ -202,6 +206,10 @@ class Replica:
                 self.cluster.prepare(plan)
                 result = self.cluster.step(plan)
                 loss, grad_norm = result.loss, clip_gradients(self.model, cfg.optim.grad_clip)
+                if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # as mecefo.train: stop, commit nothing
+                    self.manager.report_error(RuntimeError("non-finite loss"))
+                    self.manager.should_commit()
+                    raise TrainingStopped(f"step {step + 1}: non-finite training loss {loss} or gradient norm {grad_norm}")
             if self.manager.should_commit() and plan is not None:
                 lr = cfg.optim.lr * lr_at(step, cfg.optim, tc.steps)
                 apply_update(self.optimizer, lr)
@@ -216,7 +224,7 @@ class Replica:
                 log.write(json.dumps(row) + "\n")
                 log.flush()
                 self.status(f"step {step + 1}")
-                if lowest and tc.checkpoint_every and (step + 1) % tc.checkpoint_every == 0:
+                if lowest and ((tc.checkpoint_every and (step + 1) % tc.checkpoint_every == 0) or step + 1 == tc.steps):
                     checkpoint.save(self.out / "checkpoint.pt", step + 1, cfg.hash(), checkpoint.gather(self.components))
             else:
                 print(f"rank {self.rank}: step {step + 1} not committed (a peer failed); redoing it", flush=True)
@@ -252,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except TrainingStopped as e:
+        print(f"stopped: {e}", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -9,12 +9,14 @@ supervisor that follows the committed step. The kill plan comes from the failure
 for mecefo.train: a scenario at cluster.seconds_per_step, or a trace; a rank failed at step s is killed
 once step s is reached, and restarted at its recovery step) and from --kill R:S[:S2] (kill rank R at step
 S and, with S2, restart it once step S2 is committed) or --kill R:heal (kill rank R while it is healing,
-the next time it heals; it is restarted at once). A restarted process heals from a live peer and rejoins. Every process started here is
+the next time it heals; it is restarted at once; the kill lands while it applies the state received from a peer: torchft calls our loader
+after the transfer). A restarted process heals from a live peer and rejoins. Every process started here is
 killed on exit, Ctrl-C included. If every replica is dead at once, the run stops (exit 3) with the last
 checkpoint intact; `--resume` continues from it.
 
-Outputs in DIR: metrics.jsonl (one row per committed step, as mecefo.train's), events.json (kills,
-restarts, who covered whom, when each rank healed and rejoined, with wall times), failed_steps.json (the
+Outputs in DIR: metrics.jsonl (one row per committed step: loss, lr, gradient norm, the failed set, who
+covered whom, samples, wall time), events.json (kills, restarts and exits, when each rank healed, and the
+recovery timings), failed_steps.json (the
 failed set of every step, for the simulated twin: `python -m mecefo.train ... --failures steps:DIR/failed_steps.json`),
 summary.json, and replicas/ (each replica's rows, status and log).
 """
@@ -35,7 +37,7 @@ from pathlib import Path
 from . import config as config_mod
 from . import failures
 from .errors import TrainingStopped, UsageError
-from .records import atomic_write_json, git_commit
+from .records import atomic_write_json, atomic_write_text, git_commit
 
 POLL_S = 0.02
 
@@ -71,6 +73,7 @@ class Supervisor:
             print(f"[launch {time.time() - self.t0:7.2f}s] {msg}", flush=True)
 
     def start(self, rank: int, why: str, wait_for: int = 1) -> None:
+        atomic_write_text(self.out / "replicas" / f"rank{rank}.status", f"starting {time.time():.3f}\n")  # not the dead one's
         log = open(self.out / "replicas" / f"rank{rank}.log", "a")
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                    RUST_LOG=os.environ.get("RUST_LOG", "warn"))
@@ -81,6 +84,7 @@ class Supervisor:
             [sys.executable, "-m", "mecefo.ft", "--out", str(self.out), "--replica", str(rank),
              "--lighthouse", self.lighthouse, "--min-step-s", str(self.min_step_s)] + extra,
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log.close()  # the child holds its own descriptor
         self.log(f"started rank {rank} (pid {self.procs[rank].pid}, {why})", kind="start", rank=rank, why=why,
                  step=self.committed())
 
@@ -116,7 +120,7 @@ class Supervisor:
         except OSError:
             return False
 
-    def run(self, initially_down: frozenset[int], resume: bool) -> None:
+    def run(self, initially_down: frozenset[int]) -> None:
         n, steps = self.cfg.cluster.ranks, self.cfg.train.steps
         for r in range(n):
             if r not in initially_down:
@@ -140,6 +144,10 @@ class Supervisor:
                     del self.procs[r]
                     if code != 0:
                         self.log(f"rank {r} exited with status {code}", kind="exit", rank=r, code=code)
+                    if code == 2:  # bad input (e.g. a checkpoint of another config): every replica would refuse it
+                        lines = (self.out / "replicas" / f"rank{r}.log").read_text().strip().splitlines()
+                        raise UsageError(next((ln[len("error: "):] for ln in reversed(lines) if ln.startswith("error: ")),
+                                              f"rank {r} refused its input"))
             self.rejoining = {r for r in self.rejoining if r in self.procs and not self.training(r)}
             if not set(self.procs) - self.rejoining:  # nobody left who trains (a restarted one cannot heal)
                 if self.committed() >= steps:
@@ -184,7 +192,25 @@ def kill_plan(schedule: failures.Schedule, explicit: list[str], n: int) -> tuple
             raise UsageError(f"--kill {spec!r}: expected RANK:STEP[:RESTART_STEP] or RANK:heal") from None
         if not 0 <= rank < n:
             raise UsageError(f"--kill {spec!r}: rank must be in 0..{n - 1}")
+        k = kills[-1]
+        if k.at_step is not None and (k.at_step < 1 or (k.restart_step is not None and k.restart_step <= k.at_step)):
+            raise UsageError(f"--kill {spec!r}: STEP must be at least 1 and RESTART_STEP after it")
     return kills, down0
+
+
+def resume_point(out: Path, cfg) -> int:
+    """The checkpoint's step (its config must be this run's); the replicas' rows after it are dropped, so
+    that the steps redone from the checkpoint are not counted twice."""
+    from . import checkpoint
+
+    step = checkpoint.load(out / "checkpoint.pt", cfg.hash())["step"]
+    for path in (out / "replicas").glob("rank*.jsonl"):
+        keep = [line for line in path.read_text().splitlines()
+                if json.loads(line).get("step", json.loads(line).get("healed_at_step", 0)) <= step]
+        atomic_write_text(path, "".join(line + "\n" for line in keep))
+    for path in (out / "replicas").glob("rank*.final.json"):
+        path.unlink()
+    return step
 
 
 def merge(out: Path, cfg, supervisor: Supervisor) -> dict:
@@ -215,9 +241,7 @@ def merge(out: Path, cfg, supervisor: Supervisor) -> dict:
     finals = [json.loads(p.read_text()) for p in sorted((out / "replicas").glob("rank*.final.json"))]
     finals = [f for f in finals if f["step"] == steps]
     identical = all(f["digest"] == finals[0]["digest"] for f in finals)
-    with open(out / "metrics.jsonl", "w") as f:
-        for s in range(1, steps + 1):
-            f.write(json.dumps(rows[s]) + "\n")
+    atomic_write_text(out / "metrics.jsonl", "".join(json.dumps(rows[s]) + "\n" for s in range(1, steps + 1)))
     atomic_write_json(out / "failed_steps.json", {"n_ranks": n, "failed": [rows[s]["failed"] for s in range(1, steps + 1)]})
     timings = recovery_times(supervisor.events, rows, healed)
     atomic_write_json(out / "events.json", {"events": supervisor.events, "healed": healed, "timings": timings})
@@ -281,6 +305,11 @@ def main(argv: list[str] | None = None) -> int:
                                     cfg.train.seed if cc.failure_seed < 0 else cc.failure_seed, cc.recovery,
                                     cc.failable_ranks(), cc.failure_start)
         kills, down0 = kill_plan(schedule, args.kill, cc.ranks)
+        start_step = 0
+        if args.resume:
+            start_step = resume_point(out, cfg)
+            kills = [k for k in kills if k.at_step is None or k.at_step > start_step]
+            down0 = frozenset()  # everyone starts from the checkpoint
         if len(down0) == cc.ranks:
             raise UsageError("every rank is down at step 0 under this schedule; nothing can start")
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum at info
@@ -288,13 +317,13 @@ def main(argv: list[str] | None = None) -> int:
 
         lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=500, quorum_tick_ms=20,
                                       heartbeat_timeout_ms=1000)
-        supervisor = Supervisor(cfg, out, lighthouse.address(), kills, args.min_step_s, args.quiet)
+        supervisor = Supervisor(cfg, out, lighthouse.address(), kills, args.min_step_s, args.quiet, furthest=start_step)
         import torch
 
         if cfg.train.device in ("auto", "cuda") and torch.cuda.is_available():
             supervisor.gpus = torch.cuda.device_count()
         signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-        supervisor.run(down0, args.resume)
+        supervisor.run(down0)
         summary = merge(out, cfg, supervisor)
         t = summary["timings"]
         print(f"done: {summary['kills']} kills; val loss {summary['final_val_loss']:.4f}; kill -> first step without "

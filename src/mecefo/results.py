@@ -70,7 +70,8 @@ def measurement(experiment: str, name: str, quick: bool) -> Path:
 
 
 SIMULATOR_SOURCES = ("src/mecefo/simulator.py", "src/mecefo/simulator_constants.json", "src/mecefo/costs.py",
-                     "src/mecefo/failures.py", "src/mecefo/policies", "experiments/throughput.py",
+                     "src/mecefo/failures.py", "src/mecefo/policies", "src/mecefo/model.py", "src/mecefo/neighbour.py",
+                     "src/mecefo/plan.py", "paper_figures/paper_numbers.json", "experiments/throughput.py",
                      "experiments/hypotheses.py")
 
 

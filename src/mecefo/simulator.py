@@ -225,6 +225,13 @@ def simulate(job: Job, policy: str | Policy, events: list[Event], horizon_s: flo
         for k, v in parts.items():
             acc[k] += v * scale
 
+    def charge(pause: float) -> float:
+        """The pause of one event; of a group of simultaneous ones, only their longest."""
+        nonlocal group_pause
+        extra = max(0.0, pause - group_pause)
+        group_pause = max(group_pause, pause)
+        return extra
+
     def run_until(limit: float) -> None:
         nonlocal t, tokens
         while True:
@@ -251,14 +258,19 @@ def simulate(job: Job, policy: str | Policy, events: list[Event], horizon_s: flo
                     t += job.const("checkpoint_s")
                     since_ckpt.clear()
 
+    previous, group_pause = None, 0.0
     for e in queue + [Event(horizon_s, "end", -1)]:
+        # GPUs that fail (or return) at the same instant, e.g. a node (Job.failure_unit), are one event: one pause
+        together, previous = previous == (e.time_s, e.kind), (e.time_s, e.kind)
+        if not together:
+            group_pause = 0.0
         if e.time_s < t:  # an event during a pause: it applies now
             e = replace(e, time_s=t)
         run_until(e.time_s)
         if e.kind == "end":
             break
         if e.kind == "remove":
-            n_events += 1
+            n_events += not together
             lost = max(0.0, e.time_s - t)  # the partial step in flight is lost
             acc["lost_work"] += lost
             t = e.time_s
@@ -269,13 +281,13 @@ def simulate(job: Job, policy: str | Policy, events: list[Event], horizon_s: flo
                         acc["lost_work"] += v
                     tokens -= tok
                 since_ckpt.clear()
-            pause = policy.sim_on_failure(job, e.rank, frozenset(down), t, sim)
+            pause = charge(policy.sim_on_failure(job, e.rank, frozenset(down), t, sim))
             acc["pause"] += pause
             t += pause
             down.add(e.rank)
         else:
             down.discard(e.rank)
-            pause = policy.sim_on_recovery(job, e.rank, frozenset(down), t, sim)
+            pause = charge(policy.sim_on_recovery(job, e.rank, frozenset(down), t, sim))
             acc["pause"] += pause
             t += pause
     # the tail (< one step before the horizon) is idle time
