@@ -18,6 +18,7 @@ import seaborn as sns
 
 from mecefo.errors import UsageError, guarded
 from mecefo.results import RESULTS, paper_numbers, sweep_index
+from mecefo.stats import Paired, interval_half_width, paired_relative_change, verdict_word
 
 from .common import read_jsonl, save_figure, style, update_readme, write_table
 
@@ -132,28 +133,69 @@ def figure3(df: pd.DataFrame):
     return fig
 
 
-def results_section(rel: pd.DataFrame, index: dict) -> str:
-    """The README's results paragraph, from the numbers only."""
+COMPARISONS = [("mecefo", "none"), ("drop", "none"), ("mecefo", "drop"), ("spread-mecefo", "none")]
+
+
+def paired(df: pd.DataFrame, n: int, level: str, a: str, b: str) -> Paired | None:
+    """a's final ppl against b's at (n, level), paired by seed (b = 'none': failure-free at the same n)."""
+    main = df[(df["tag"] == "main") & (df["n"] == n)]
+    x = main[(main["level"] == level) & (main["policy"] == a)].set_index("seed")["final_val_ppl"]
+    y = main[(main["level"] == ("none" if b == "none" else level)) & (main["policy"] == b)].set_index("seed")["final_val_ppl"]
+    seeds = sorted(set(x.index) & set(y.index))
+    return paired_relative_change(x[seeds], y[seeds]) if seeds else None
+
+
+def seeds_needed(sd: float, target: float = 1.0) -> int | None:
+    """The fewest seeds whose 95% interval half-width, at this standard deviation, is at most target."""
+    if not np.isfinite(sd):
+        return None
+    return next((k for k in range(2, 10_001) if interval_half_width(sd, k) <= target), None)
+
+
+def paired_table(df: pd.DataFrame, n: int) -> list[str]:
+    levels = [lvl for lvl in LEVELS[1:] if lvl in set(df["level"])]
+    lines = ["| level | comparison | change of final val ppl (95% interval) | verdict | seeds | seeds for ±1 |",
+             "|---|---|---|---|---|---|"]
+    for level in levels:
+        for a, b in COMPARISONS:
+            r = paired(df, n, level, a, b)
+            if r is None:
+                continue
+            ci = "" if not np.isfinite(r.ci[0]) else f" [{r.ci[0]:+.2f}, {r.ci[1]:+.2f}]"
+            need = seeds_needed(r.sd)
+            lines.append(f"| {level} | {a} − {'failure-free' if b == 'none' else b} | {r.mean:+.2f}%{ci} | "
+                         f"{verdict_word(r.ci)} | {r.pairs} | {need if need else '—'} |")
+    return lines
+
+
+def power_figure(df: pd.DataFrame, n: int):
+    """95% interval half-width of each paired comparison at the high level against the number of seeds,
+    from the measured seed-to-seed standard deviation."""
+    ks = np.arange(2, 65)
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for a, b in COMPARISONS:
+        r = paired(df, n, "high", a, b)
+        if r is not None and np.isfinite(r.sd):
+            ax.plot(ks, [interval_half_width(r.sd, k) for k in ks], label=f"{a} − {'failure-free' if b == 'none' else b} (sd {r.sd:.2f})")
+    ax.axhline(1.0, color="k", ls="--", lw=1, label="target ±1 point")
+    ax.set(xlabel="seeds", ylabel="95% half-width (points of ppl, %)", yscale="log", title=f"Power curve, n = {n}, high failures")
+    ax.legend(fontsize=7)
+    return fig
+
+
+def results_section(rel: pd.DataFrame, df: pd.DataFrame, index: dict) -> str:
+    """The README's results paragraph, from the numbers only: paired changes with intervals and verdicts."""
     t3 = PAPER["table3_val_ppl"]["rows"]
     paper = {lvl: [100 * (v[i] / v[0] - 1) for v in t3.values()] for i, lvl in enumerate(LEVELS) if i}
     n_main = int(rel["n"].max())
     lines = [f"{index['profile'].capitalize()} CPU sweep ({len(index['cells'])} runs, {index['wall_time_s'] / 60:.0f} min, commit "
-             f"`{index['git_commit'][:12]}`; tables and figures in `paper_figures/out/sweep_*`). Relative change of "
-             f"the final validation perplexity against failure-free training at n = {n_main}, mean ± std over seeds:\n",
-             "| level | MeCeFO (ours) | drop (ours) | MeCeFO (paper, 350M-7B) |", "|---|---|---|---|"]
-    for level in LEVELS[1:]:
-        cell = lambda p: rel[(rel["n"] == n_main) & (rel["level"] == level) & (rel["policy"] == p)]  # noqa: E731
-        m, d = cell("mecefo"), cell("drop")
-        pct = lambda r: f"{r.iloc[0]['rel_mean']:+.2f}" + (f" ± {r.iloc[0]['rel_std']:.2f}" if np.isfinite(r.iloc[0]["rel_std"]) else "") + "%"  # noqa: E731
-        lines.append(f"| {level} | " + (pct(m) if not m.empty else "") + " | " + (pct(d) if not d.empty else "")
-                     + f" | +{min(paper[level]):.2f} .. +{max(paper[level]):.2f}% |")
-    better = []
-    for n, g in rel[(rel["level"] != "none") & rel["policy"].isin(["mecefo", "drop"])].groupby(["n", "level"]):
-        p = g.set_index("policy")
-        if {"mecefo", "drop"} <= set(p.index):
-            better.append(p.loc["mecefo", "ppl_mean"] < p.loc["drop", "ppl_mean"])
-    lines.append(f"\nMeCeFO reaches a lower mean perplexity than drop in {sum(better)} of {len(better)} (n, level) cells. "
-                 "Differences smaller than the seed-to-seed standard deviation are not resolved by this sweep.")
+             f"`{index['git_commit'][:12]}`; tables and figures in `paper_figures/out/sweep_*`). Change of the final "
+             f"validation perplexity at n = {n_main}, paired by seed (same initialisation, data order and failure "
+             "schedule), with its 95% t-interval; the verdict is computed from the interval (equal within ±1 point, "
+             "better, worse, or unresolved); 'seeds for ±1' is the power curve read at a half-width of 1 point:\n",
+             *paired_table(df, n_main),
+             "\nThe paper's MeCeFO change against failure-free (350M-7B): "
+             + ", ".join(f"{lvl} +{min(v):.2f} .. +{max(v):.2f}%" for lvl, v in paper.items()) + "."]
     return "\n".join(lines)
 
 
@@ -170,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     fig = figure3(df)
     if fig is not None:
         paths += save_figure(fig, "sweep_figure3_skip_attention_vs_ffn")
-    section = results_section(rel, index)
+    paths += save_figure(power_figure(df, int(rel["n"].max())), "sweep_power_curve")
+    section = results_section(rel, df, index)
     paths.append(write_table("results_section", section + "\n"))
     if profile == "default":
         paths.append(update_readme("results", section))

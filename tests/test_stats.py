@@ -107,3 +107,36 @@ def test_fitter_rejects_a_wrong_slope_and_bad_input():
 def test_relative_error():
     assert relative_error(np.array([1.0, 1.0]), np.array([1.0, 0.0])) == pytest.approx(1.0)
     assert relative_error(np.array([2.0]), np.array([2.0])) == 0.0
+
+
+def test_paired_relative_change_and_its_verdict():
+    from mecefo.stats import interval_half_width, paired_relative_change, verdict_word
+
+    a, b = [101.0, 102.0, 103.0, 101.5], [100.0, 100.0, 100.0, 100.0]
+    p = paired_relative_change(a, b)
+    d = np.array([1.0, 2.0, 3.0, 1.5])
+    assert p.mean == pytest.approx(d.mean()) and p.sd == pytest.approx(d.std(ddof=1)) and p.pairs == 4
+    half = 3.182446305284263 * d.std(ddof=1) / 2  # t_{3, 0.975}
+    assert p.ci == pytest.approx((d.mean() - half, d.mean() + half))
+    assert interval_half_width(p.sd, 4) == pytest.approx(half)
+    assert interval_half_width(1.0, 100) < interval_half_width(1.0, 10) < interval_half_width(1.0, 3)
+    assert verdict_word(p.ci) == "worse"
+    assert verdict_word((-0.5, 0.8)) == "equal within ±1" and verdict_word((-3.0, -1.5)) == "better"
+    assert verdict_word((-2.0, 0.5)) == "unresolved"
+    assert verdict_word(paired_relative_change([1.0], [2.0]).ci) == "unresolved"
+
+
+def test_sweep_pairs_by_seed_and_reads_the_power_curve():
+    import pandas as pd
+
+    from paper_figures.sweep import paired, paired_table, seeds_needed
+
+    rows = [{"tag": "main", "n": 8, "level": "none", "policy": "none", "seed": s, "final_val_ppl": 100.0 + s} for s in range(3)]
+    rows += [{"tag": "main", "n": 8, "level": "high", "policy": "mecefo", "seed": s, "final_val_ppl": (100.0 + s) * 1.02}
+             for s in (2, 0, 1)]  # another order: pairing is by seed
+    df = pd.DataFrame(rows)
+    r = paired(df, 8, "high", "mecefo", "none")
+    assert r.pairs == 3 and r.mean == pytest.approx(2.0) and r.sd == pytest.approx(0.0, abs=1e-9)
+    assert paired(df, 8, "high", "drop", "none") is None
+    assert "worse" in "\n".join(paired_table(df, 8)) or "equal" in "\n".join(paired_table(df, 8))
+    assert seeds_needed(float("nan")) is None and seeds_needed(1.0) == 7  # t_{6} / sqrt(7) = 0.92 <= 1

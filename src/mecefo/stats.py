@@ -110,3 +110,44 @@ def fit_rate(nt: np.ndarray, y: np.ndarray, level: float = 0.95) -> RateFit:
     res = sps.linregress(x, z)
     half = sps.t.ppf(0.5 + level / 2, len(x) - 2) * res.stderr
     return RateFit(float(res.slope), float(res.intercept), (float(res.slope - half), float(res.slope + half)), level, len(x))
+
+
+@dataclass(frozen=True)
+class Paired:
+    mean: float
+    ci: tuple[float, float]  # (nan, nan) with fewer than two pairs
+    sd: float
+    pairs: int
+
+
+def paired_relative_change(a, b, level: float = 0.95) -> Paired:
+    """The relative change of a against b in percent, paired by seed: d_i = 100 (a_i / b_i - 1), its mean
+    and the Student-t interval mean -+ t_{k-1} sd / sqrt(k) over the k pairs."""
+    d = 100 * (np.asarray(a, dtype=np.float64) / np.asarray(b, dtype=np.float64) - 1)
+    k = len(d)
+    if k < 2:
+        return Paired(float(d.mean()) if k else float("nan"), (float("nan"), float("nan")), float("nan"), k)
+    sd = float(d.std(ddof=1))
+    half = interval_half_width(sd, k, level)
+    return Paired(float(d.mean()), (float(d.mean() - half), float(d.mean() + half)), sd, k)
+
+
+def interval_half_width(sd: float, k: int, level: float = 0.95) -> float:
+    """Half-width of the t-interval of a mean of k pairs whose differences have standard deviation sd:
+    t_{k-1, (1+level)/2} sd / sqrt(k) (the power curve: how many seeds a target width needs)."""
+    return float(sps.t.ppf(0.5 + level / 2, k - 1) * sd / np.sqrt(k))
+
+
+def verdict_word(ci: tuple[float, float], tolerance: float = 1.0) -> str:
+    """From an interval of a change in ppl (lower is better): 'equal' if it lies within +-tolerance,
+    'better' / 'worse' if it excludes 0 on that side (and is not within the tolerance), else 'unresolved'."""
+    lo, hi = ci
+    if not (np.isfinite(lo) and np.isfinite(hi)):
+        return "unresolved"
+    if -tolerance <= lo and hi <= tolerance:
+        return f"equal within ±{tolerance:g}"
+    if hi < 0:
+        return "better"
+    if lo > 0:
+        return "worse"
+    return "unresolved"
