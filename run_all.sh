@@ -27,6 +27,7 @@ python -m experiments.ablation $quick
 step "sweep over n, failure level and policy (the paper's Table 3 and Figure 3)"
 python -m experiments.sweep $quick
 [ -z "$quick" ] && python -m experiments.sweep --full
+python -m experiments.variance $quick
 
 step "cluster-scale throughput simulation (the paper's Table 2, its hypotheses, and 32 to 100k GPUs)"
 python -m experiments.throughput $quick
@@ -44,6 +45,7 @@ python -m paper_figures.failure_free $quick
 python -m paper_figures.ablation $quick
 python -m paper_figures.svd_accuracy $quick
 python -m paper_figures.sweep $quick
+python -m paper_figures.variance $quick
 python -m paper_figures.throughput $quick
 python -m paper_figures.bias_variance $quick
 python -m paper_figures.grad_error $quick

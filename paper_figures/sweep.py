@@ -18,7 +18,7 @@ import seaborn as sns
 
 from mecefo.errors import UsageError, guarded
 from mecefo.results import RESULTS, paper_numbers, sweep_index
-from mecefo.stats import Paired, interval_half_width, paired_relative_change, verdict_word
+from mecefo.stats import Paired, interval_half_width, paired_relative_change, seeds_needed, verdict_word
 
 from .common import read_jsonl, save_figure, style, update_readme, write_table
 
@@ -143,13 +143,6 @@ def paired(df: pd.DataFrame, n: int, level: str, a: str, b: str) -> Paired | Non
     y = main[(main["level"] == ("none" if b == "none" else level)) & (main["policy"] == b)].set_index("seed")["final_val_ppl"]
     seeds = sorted(set(x.index) & set(y.index))
     return paired_relative_change(x[seeds], y[seeds]) if seeds else None
-
-
-def seeds_needed(sd: float, target: float = 1.0) -> int | None:
-    """The fewest seeds whose 95% interval half-width, at this standard deviation, is at most target."""
-    if not np.isfinite(sd):
-        return None
-    return next((k for k in range(2, 10_001) if interval_half_width(sd, k) <= target), None)
 
 
 def paired_table(df: pd.DataFrame, n: int) -> list[str]:

@@ -129,7 +129,8 @@ def test_paired_relative_change_and_its_verdict():
 def test_sweep_pairs_by_seed_and_reads_the_power_curve():
     import pandas as pd
 
-    from paper_figures.sweep import paired, paired_table, seeds_needed
+    from mecefo.stats import seeds_needed
+    from paper_figures.sweep import paired, paired_table
 
     rows = [{"tag": "main", "n": 8, "level": "none", "policy": "none", "seed": s, "final_val_ppl": 100.0 + s} for s in range(3)]
     rows += [{"tag": "main", "n": 8, "level": "high", "policy": "mecefo", "seed": s, "final_val_ppl": (100.0 + s) * 1.02}

@@ -138,6 +138,14 @@ def interval_half_width(sd: float, k: int, level: float = 0.95) -> float:
     return float(sps.t.ppf(0.5 + level / 2, k - 1) * sd / np.sqrt(k))
 
 
+def seeds_needed(sd: float, target: float = 1.0, level: float = 0.95) -> int | None:
+    """The fewest seeds (pairs) whose interval half-width at this sd is at most target (None: sd unknown or
+    more than 10,000 seeds)."""
+    if not np.isfinite(sd):
+        return None
+    return next((k for k in range(2, 10_001) if interval_half_width(sd, k, level) <= target), None)
+
+
 def verdict_word(ci: tuple[float, float], tolerance: float = 1.0) -> str:
     """From an interval of a change in ppl (lower is better): 'equal' if it lies within +-tolerance,
     'better' / 'worse' if it excludes 0 on that side (and is not within the tolerance), else 'unresolved'."""
