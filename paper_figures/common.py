@@ -22,16 +22,22 @@ def style() -> None:
     sns.set_theme(context="paper", style="whitegrid", font_scale=1.1)
 
 
-def save_figure(fig, name: str) -> list[Path]:
-    """paper_figures/out/<name>.png and .pdf, each written to a temporary file and renamed."""
+COMMITTED = ROOT / "docs" / "figures"  # the README's figures: PNGs of the default profile, kept in git
+
+
+def save_figure(fig, name: str, committed: bool = False) -> list[Path]:
+    """paper_figures/out/<name>.png and .pdf, each written to a temporary file and renamed; with committed,
+    also docs/figures/<name>.png (callers pass it for the default profile only)."""
     OUT.mkdir(parents=True, exist_ok=True)
+    targets = [(OUT, "png"), (OUT, "pdf")] + ([(COMMITTED, "png")] if committed else [])
     paths = []
-    for ext in ("png", "pdf"):
-        fd, tmp = tempfile.mkstemp(dir=OUT, suffix=f".{ext}")
+    for folder, ext in targets:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=f".{ext}")
         os.close(fd)
-        fig.savefig(tmp, dpi=150, bbox_inches="tight")
-        os.replace(tmp, OUT / f"{name}.{ext}")
-        paths.append(OUT / f"{name}.{ext}")
+        fig.savefig(tmp, dpi=110 if folder == COMMITTED else 150, bbox_inches="tight")
+        os.replace(tmp, folder / f"{name}.{ext}")
+        paths.append(folder / f"{name}.{ext}")
     plt.close(fig)
     return paths
 

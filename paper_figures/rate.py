@@ -50,12 +50,13 @@ def gpt_table(gpt: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def figures(result: dict) -> list:
+def figures(result: dict, committed: bool = False) -> list:
     style()
     out = []
     if result.get("gpt_rate"):
         out += save_figure(slope_figure(result["gpt_rate"]["points"], result["gpt_rate"]["fits"],
-                                        "GPT (nano), momentum SGD, eta ~ sqrt(n/T), held-out gradient"), "rate_gpt_slope")
+                                        "GPT (nano), momentum SGD, eta ~ sqrt(n/T), held-out gradient"), "rate_gpt_slope",
+                           committed=committed)
         out.append(write_table("rate_gpt", gpt_table(result["gpt_rate"])))
     fig = slope_figure(result["synthetic"]["points"], result["synthetic"]["fits"],
                        "Synthetic non-convex problem, momentum SGD, eta ~ sqrt(n/T)")
@@ -72,7 +73,8 @@ def figures(result: dict) -> list:
 
 
 def main(argv: list[str] | None = None) -> int:
-    for p in figures(read_measurement("analysis", "rate", quick_flag(argv, __doc__), "analysis.rate")):
+    quick = quick_flag(argv, __doc__)
+    for p in figures(read_measurement("analysis", "rate", quick, "analysis.rate"), committed=not quick):
         print(f"wrote {p}")
     return 0
 

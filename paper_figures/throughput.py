@@ -368,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     doc, section = report(result, hyp_result)
     paths = [write_table("throughput_table2", doc)]
     for key in HYPOTHESES:
-        paths += save_figure(hypothesis_figure(in_order(hyp_result["hypotheses"]), key), f"throughput_{key.lower()}")
+        paths += save_figure(hypothesis_figure(in_order(hyp_result["hypotheses"]), key), f"throughput_{key.lower()}",
+                             committed=not quick and key in ("H1", "H3"))
     paths += save_figure(scaling_figure(result), "throughput_scaling")
     paths += save_figure(breakdown_figure(result), "throughput_breakdown")
     if not quick:
