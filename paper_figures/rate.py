@@ -23,7 +23,7 @@ from .common import save_figure, style, write_table
 def slope_figure(points: list, fits: dict, title: str):
     pts = pd.DataFrame(points)
     fig, ax = plt.subplots(figsize=(5.8, 4))
-    sns.scatterplot(pts, x="nT", y="mean_sq_grad", hue="policy", style="n", ax=ax)
+    sns.scatterplot(pts, x="nT", y="mean_sq_grad", hue="policy", hue_order=list(fits), style="n", ax=ax)
     xs = np.logspace(np.log10(pts["nT"].min()), np.log10(pts["nT"].max()), 50)
     for i, (p, f) in enumerate(fits.items()):
         ax.plot(xs, np.exp(f["intercept"]) * xs ** f["slope"], color=sns.color_palette()[i], lw=1,
