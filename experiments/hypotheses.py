@@ -26,13 +26,12 @@ import numpy as np
 from tqdm import tqdm
 
 from mecefo.failures import REFERENCE_RANKS, SCENARIOS
-from mecefo.neighbour import Techniques
 from mecefo.records import atomic_write_json, git_commit
 from mecefo.results import measurement, reusable, sources_digest, paper_numbers, quick_flag
-from mecefo.simulator import CostModel, Job, ci95, cost_needed, mtbf, scenario_failures, simulate, spread_bound
+from mecefo.simulator import CostModel, ci95, cost_needed, spread_bound
 
 from .common import guarded
-from .throughput import HORIZON_S, PAPER_JOBS
+from .throughput import HORIZON_S, PAPER_JOBS, drops
 
 LEVEL = "high"
 # the ablation's technique sets (experiments/ablation.py), as Techniques.parse specs
@@ -45,18 +44,6 @@ def paper_drops() -> dict[str, float]:
     """The paper's MeCeFO drop per model, as a fraction."""
     rows = paper_numbers()["table2_throughput_tokens_per_s"]["rows"]
     return {m: rows[m]["MeCeFO"][2] / 100 for m in PAPER_JOBS}
-
-
-def drop(job: Job, policy: str, seeds: int, horizon_s: float = HORIZON_S, start: str = "stationary") -> list[float]:
-    """1 - throughput under the high scenario / failure-free throughput, one value per seed (the same
-    seeds for every parameter value: common random numbers)."""
-    base = simulate(job, policy, [], horizon_s).throughput
-    sc = SCENARIOS[LEVEL]
-    out = []
-    for seed in range(seeds):
-        events, down = scenario_failures(sc, job, horizon_s, seed, start)
-        out.append(1 - simulate(job, policy, events, horizon_s, mtbf(sc, job.gpus), down).throughput / base)
-    return out
 
 
 def curve(values, run) -> dict:
@@ -93,20 +80,20 @@ def hypotheses(seeds: int, quick: bool) -> dict:
         alphas = np.linspace(1.0, 2.0, 6 if quick else 21)  # up to naive NDB (both micro-batches exact)
         row = {"target": target, "alpha_1": cost.alpha(1), "c": cost.relative_cost}
         # H1: a window of W seconds that starts with every GPU alive (more seeds: short windows are noisy)
-        row["H1"] = curve(windows, lambda w: drop(job, "mecefo", 4 * seeds, horizon_s=float(w), start="cold"))
+        row["H1"] = curve(windows, lambda w: drops(job, "mecefo", 4 * seeds, horizon_s=float(w), start="cold"))
         row["H1"]["needed"] = crossing(windows, row["H1"]["mean"], target, log=True)
         steps.update(1)
-        row["H2"] = curve(slacks, lambda v: drop(replace(job, neighbour_slack=float(v)), "mecefo", seeds))
+        row["H2"] = curve(slacks, lambda v: drops(replace(job, neighbour_slack=float(v)), "mecefo", seeds))
         row["H2"]["needed"] = crossing(slacks, row["H2"]["mean"], target)
         steps.update(1)
-        row["H3"] = curve(alphas, lambda v: drop(replace(job, neighbour_alpha=float(v)), "mecefo", seeds))
+        row["H3"] = curve(alphas, lambda v: drops(replace(job, neighbour_alpha=float(v)), "mecefo", seeds))
         row["H3"]["needed"] = crossing(alphas, row["H3"]["mean"], target)
         row["H3"]["technique_sets"] = {k: CostModel(replace(job, techniques=v)).alpha(1) for k, v in TECHNIQUE_SETS.items()}
         steps.update(1)
-        row["H4"] = curve(units, lambda v: drop(replace(job, failure_unit=int(v)), "mecefo", seeds))
+        row["H4"] = curve(units, lambda v: drops(replace(job, failure_unit=int(v)), "mecefo", seeds))
         row["H4"]["needed"] = crossing(units, row["H4"]["mean"], target)
         steps.update(1)
-        row["H5"] = curve(widths, lambda v: drop(replace(job, spread_width=int(v)), "spread-mecefo", seeds))
+        row["H5"] = curve(widths, lambda v: drops(replace(job, spread_width=int(v)), "spread-mecefo", seeds))
         row["H5"]["needed"] = crossing(widths[:-1], row["H5"]["mean"][:-1], target)  # the last point is "all"
         steps.update(1)
         out[name] = row

@@ -44,18 +44,26 @@ VARIANTS = {"oobleck (rejoin at next failure)": ("oobleck", {"oobleck_rejoin": "
 FITTED = "bamboo (reconfiguration fitted on 7B)"
 
 
+def drops(job: Job, policy: str, seeds: int, horizon_s: float = HORIZON_S, start: str = "stationary",
+          recovery: str = "fixed", scenario: FailureScenario = SCENARIOS["high"]) -> list[float]:
+    """1 - throughput under `scenario` / failure-free throughput, one value per seed (seeds 0.., the same for
+    every job and policy: common random numbers)."""
+    base = simulate(job, policy, [], horizon_s).throughput
+    out = []
+    for seed in range(seeds):
+        events, down = scenario_failures(scenario, job, horizon_s, seed, start, recovery)
+        out.append(1 - simulate(job, policy, events, horizon_s, mtbf(scenario, job.gpus), down).throughput / base)
+    return out
+
+
 def fit_bamboo_reconfig(seeds: int, target_pct: float) -> float | None:
     """The one constant we fit: a factor k on Bamboo's reconfiguration times (simulator_constants.json) such
     that the 7B high-failure drop equals the paper's Bamboo column (bisection on the mean over seeds; the
     drop grows with k); 350M and 1B are then predicted with the same k. None if k = 0 is already above."""
-    job, sc = PAPER_JOBS["llama-7b"], SCENARIOS["high"]
-    runs = [scenario_failures(sc, job, HORIZON_S, seed) for seed in range(seeds)]
+    job = PAPER_JOBS["llama-7b"]
 
     def drop_pct(k: float) -> float:
-        j = replace(job, bamboo_reconfig_s=k * job.const("bamboo_reconfig_s"))
-        base = simulate(j, "bamboo", [], HORIZON_S).throughput
-        return 100 * (1 - np.mean([simulate(j, "bamboo", ev, HORIZON_S, mtbf(sc, job.gpus), d).throughput
-                                   for ev, d in runs]) / base)
+        return 100 * float(np.mean(drops(replace(job, bamboo_reconfig_s=k * job.const("bamboo_reconfig_s")), "bamboo", seeds)))
 
     lo, hi = 0.0, 4.0
     if drop_pct(lo) > target_pct or drop_pct(hi) < target_pct:
@@ -118,21 +126,10 @@ def sensitivity(seeds: int) -> list[dict]:
     variants += [(f"layout dp{d}xpp{p}", replace(base, dp=d, pp=p, micro_batch=mb), "fixed")
                  for d, p, mb in ((32, 1, 2), (4, 8, 2), (16, 2, 2))]
     variants += [("exponential recovery", base, "exponential")]
-    rows = []
-    for label, job, recovery in variants:
-        res = {}
-        for level in ("none", "high"):
-            sc = SCENARIOS[level]
-            cost = CostModel(job)
-            for p in ("mecefo", "spread-mecefo", "drop", "oobleck"):
-                vals = []
-                for seed in range(1 if level == "none" else seeds):
-                    events, down = scenario_failures(sc, job, HORIZON_S, seed, recovery=recovery)
-                    vals.append(simulate(job, p, events, HORIZON_S, mtbf(sc, job.gpus), down, cost=cost).throughput)
-                res.setdefault(p, {})[level] = float(np.mean(vals))
-        rows.append({"variant": label, "alpha_1": CostModel(job).alpha(1),
-                     **{f"{p}_drop_pct": 100 * (1 - r["high"] / r["none"]) for p, r in res.items()}})
-    return rows
+    policies = ("mecefo", "spread-mecefo", "drop", "oobleck")
+    return [{"variant": label, "alpha_1": CostModel(job).alpha(1),
+             **{f"{p}_drop_pct": 100 * float(np.mean(drops(job, p, seeds, recovery=recovery))) for p in policies}}
+            for label, job, recovery in variants]
 
 
 def active_fraction(seeds: int) -> float:

@@ -25,19 +25,17 @@ from mecefo.results import measurement, quick_flag
 from mecefo.stats import paired_relative_change
 from mecefo.train import run
 
-from .common import CONFIGS, guarded, run_dir
+from .common import guarded, run_dir
+from .sweep import Cell, cell_config
 
 FIXED_FAILURE_SEED = 100
 N = 8
 
 
 def config(base: str, policy: str, seed: int, failure_seed: int):
-    cfg = config_mod.load(CONFIGS / f"{base}.toml")
-    return config_mod.with_overrides(
-        cfg, data={"micro_batch_size": cfg.data.micro_batch_size // N}, train={"seed": seed},
-        cluster={"ranks": N, "failures": "none" if policy == "none" else "high",
-                 "policy": "mecefo" if policy == "none" else policy,
-                 "failure_seed": -1 if policy == "none" else failure_seed})  # failure-free: one run per seed
+    """The sweep's cell (experiments.sweep.cell_config) with its own failure seed (failure-free: one run per seed)."""
+    cfg = cell_config(base, Cell(N, "none" if policy == "none" else "high", policy, seed))
+    return config_mod.with_overrides(cfg, cluster={"failure_seed": -1 if policy == "none" else failure_seed})
 
 
 def main(argv: list[str] | None = None) -> int:

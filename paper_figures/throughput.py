@@ -240,8 +240,9 @@ def reconcilers(hyp: dict, name: str, t2: dict) -> tuple[list[str], list[str]]:
     return inside, outside
 
 
-def verdict(result: dict, hyp_result: dict) -> str:
-    t2, hyp, bound = with_derived(result, hyp_result), in_order(hyp_result["hypotheses"]), hyp_result["bound"]
+def verdict(result: dict, hyp_result: dict, t2: dict) -> str:
+    """t2: with_derived(result, hyp_result)."""
+    hyp, bound = in_order(hyp_result["hypotheses"]), hyp_result["bound"]
     errors = baseline_errors(result)
     lines = []
     for name, row in in_order(result["table2"]).items():
@@ -344,7 +345,7 @@ def report(result: dict, hyp_result: dict) -> tuple[str, str]:
     head = (f"`mecefo.simulator`, {job['dp'] * job['pp']} {job['gpu']}s, {result['horizon_s'] / 3600:.0f} h per run from a stationary start, "
             f"{result['seeds']} seeds per failure level (mean drop, 95% interval); Table 1's scenarios with the failure "
             "unit one GPU; the baselines' constants from the public simulators (`src/mecefo/simulator_constants.json`).")
-    v = verdict(result, hyp_result)
+    v = verdict(result, hyp_result, t2)
     doc = "\n".join(["# Throughput under failures (the paper's Table 2, simulated)\n", head, "", *table2(result),
                      "\n## Baselines against the paper's own columns\n", fit_sentence(result), "", *baseline_check(result),
                      "\n## What would have to be true for the paper's MeCeFO drops\n",

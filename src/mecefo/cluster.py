@@ -161,6 +161,23 @@ class _Common:
         self.lowrank.finish()
         return loss_sum, weight_sum
 
+    def exchange_step(self, plan: StepPlan, rank: int, all_reduce_sum) -> StepResult:
+        """One process per rank: compute this rank's pieces, SUM-all-reduce the weighted gradient sums (with
+        the loss and weight sums) in one flat tensor, divide each group by its weight."""
+        self.current_step = plan.step
+        self.model.zero_grad(set_to_none=True)
+        loss_sum, weight_sum = self.run_pieces(plan.pieces.get(rank, ()))
+        params = list(self.model.parameters())
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+                         + [torch.tensor([loss_sum, weight_sum], device=self.device, dtype=params[0].dtype)])
+        all_reduce_sum(flat)
+        offset = 0
+        for p in params:
+            p.grad = flat[offset: offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        self.normalise(plan.counts(len(self.model.layers)))
+        return StepResult(flat[-2].item() / max(flat[-1].item(), 1e-12), plan.samples())
+
     every_rank_evaluates = False  # True where a forward pass is collective (FSDP)
 
     def components(self, optimizer) -> dict[str, Component]:
@@ -299,19 +316,7 @@ class TorchCluster(_Common):
         super().prepare(plan, computing=self.rank not in plan.failed)
 
     def step(self, plan: StepPlan) -> StepResult:
-        self.current_step = plan.step
-        self.model.zero_grad(set_to_none=True)
-        loss_sum, weight_sum = self.run_pieces(plan.pieces.get(self.rank, ()))
-        params = list(self.model.parameters())
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
-                         + [torch.tensor([loss_sum, weight_sum], device=self.device, dtype=params[0].dtype)])
-        self.dist.all_reduce(flat)
-        offset = 0
-        for p in params:
-            p.grad = flat[offset: offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
-        self.normalise(plan.counts(len(self.model.layers)))
-        return StepResult(flat[-2].item() / max(flat[-1].item(), 1e-12), plan.samples())
+        return self.exchange_step(plan, self.rank, self.dist.all_reduce)
 
     def _digest(self, with_parameters: bool) -> list[float]:
         """Checksums of this rank's low-rank subspaces (by name) and, if asked, its parameters."""

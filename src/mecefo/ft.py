@@ -34,7 +34,6 @@ from pathlib import Path
 import torch
 
 from . import checkpoint, config as config_mod, policies
-from .checkpoint import Component
 from .cluster import StepResult, _Common
 from .data import TokenData
 from .errors import TrainingStopped, UsageError
@@ -56,21 +55,9 @@ class FtCluster(_Common):
     rank = 0
 
     def step(self, plan: StepPlan) -> StepResult:
-        self.current_step = plan.step
-        self.model.zero_grad(set_to_none=True)
-        loss_sum, weight_sum = self.run_pieces(plan.pieces.get(self.rank, ()))
-        params = list(self.model.parameters())
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
-                         + [torch.tensor([loss_sum, weight_sum], device=self.device, dtype=params[0].dtype)])
         from torch.distributed import ReduceOp
 
-        self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
-        offset = 0
-        for p in params:
-            p.grad = flat[offset: offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
-        self.normalise(plan.counts(len(self.model.layers)))
-        return StepResult(flat[-2].item() / max(flat[-1].item(), 1e-12), plan.samples())
+        return self.exchange_step(plan, self.rank, lambda t: self.manager.allreduce(t, reduce_op=ReduceOp.SUM).wait())
 
 
 def parameter_digest(model: torch.nn.Module) -> list[float]:
@@ -97,10 +84,8 @@ class Replica:
         self.progress = Progress()
         self.cluster = FtCluster(self.model, self.data, tc.seed, self.device, self.lowrank,
                                  lambda: autocast(self.device, tc.precision), n_ranks=cc.ranks)
-        self.components = {"model": Component(self.model.state_dict, self.model.load_state_dict),
-                           "optimizer": Component(self.optimizer.state_dict, self.optimizer.load_state_dict),
-                           "rng": checkpoint.RNG(), "lowrank": self.lowrank, "policy": self.policy,
-                           "progress": self.progress}
+        self.components = self.cluster.components(self.optimizer) | {
+            "rng": checkpoint.RNG(), "lowrank": self.lowrank, "policy": self.policy, "progress": self.progress}
         self.log_path = out / "replicas" / f"rank{rank}.jsonl"
         self.status_path = out / "replicas" / f"rank{rank}.status"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
