@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # The main job: run every experiment (cached by config hash under results/), then every figure and table
-# (paper_figures/out/). `bash run_all.sh --quick` is the CI-sized profile (minutes on 2 CPU cores).
+# (paper_figures/out/). `bash run_all.sh --quick` is the CI-sized profile (minutes on 2 CPU cores);
+# `bash run_all.sh --long` is the default plus the long sweep (more seeds of the deciding Table 3 rows).
 set -euo pipefail
 cd "$(dirname "$0")"
 quick=""
+long=""
 case "${1:-}" in
   "") ;;
   --quick) quick="--quick" ;;
-  *) echo "usage: bash run_all.sh [--quick]" >&2; exit 2 ;;
+  --long) long="--long" ;;
+  *) echo "usage: bash run_all.sh [--quick | --long]" >&2; exit 2 ;;
 esac
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 step() { echo; echo "== $* =="; }
@@ -27,7 +30,9 @@ python -m experiments.ablation $quick
 step "sweep over n, failure level and policy (the paper's Table 3 and Figure 3)"
 python -m experiments.sweep $quick
 [ -z "$quick" ] && python -m experiments.sweep --full
-python -m experiments.variance $quick
+[ -n "$long" ] && python -m experiments.sweep --long
+# where the variance comes from (18 more runs at n = 32): in the quick and long profiles
+if [ -n "$quick$long" ]; then python -m experiments.variance $quick; fi
 
 step "cluster-scale throughput simulation (the paper's Table 2, its hypotheses, and 32 to 100k GPUs)"
 python -m experiments.throughput $quick
@@ -45,7 +50,8 @@ python -m paper_figures.failure_free $quick
 python -m paper_figures.ablation $quick
 python -m paper_figures.svd_accuracy $quick
 python -m paper_figures.sweep $quick
-python -m paper_figures.variance $quick
+[ -n "$long" ] && python -m paper_figures.sweep --long
+if [ -n "$quick$long" ]; then python -m paper_figures.variance $quick; fi
 python -m paper_figures.throughput $quick
 python -m paper_figures.bias_variance $quick
 python -m paper_figures.grad_error $quick

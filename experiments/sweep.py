@@ -2,7 +2,7 @@
 Figure 3, with seeds): every cell is one training run on the same failure schedule for a given
 (n, level, seed), whichever the policy.
 
-    python -m experiments.sweep [--quick | --full]
+    python -m experiments.sweep [--quick | --long | --full]
 
 Each run lands in results/sweep/<preset>-<config hash>/ (summary.json: resolved config, final validation
 loss and perplexity, wall time, commit; metrics.jsonl) and is reused on rerun; a run that fails is reported
@@ -14,6 +14,8 @@ and the sweep goes on. results/sweep/index-<profile>.json lists the cells of the
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import sys
 import time
 import traceback
@@ -23,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from mecefo import config as config_mod
-from mecefo import policies
+from mecefo import failures, policies
 from mecefo.costs import Shape, training_memory
 from mecefo.errors import UsageError
 from mecefo.model import GPT, preset
@@ -37,35 +39,66 @@ from .common import CONFIGS, RESULTS, guarded, run_dir
 @dataclass(frozen=True)
 class Cell:
     n: int
-    level: str  # none | low | mid | high
+    level: str  # none | low | mid | high | custom:<interval_h>:<recovery_h> (the higher-frequency rows)
     policy: str
     seed: int
     techniques: str = "mecefo"
-    tag: str = "main"  # main (Table 3) | fig3 (skip attention vs skip FFN)
+    tag: str = "main"  # main (Table 3, its n-sweep) | fig3 (skip attention vs skip FFN) | asymmetric | frequency
+    failable: str = ""  # asymmetric: the ranks that can fail (the first node)
+
+
+@dataclass(frozen=True)
+class Design:
+    """A sweep profile: which runs, at what n, with how many seeds (every seed has its own failure schedule,
+    shared by all policies of that seed, so comparisons are paired by seed)."""
+
+    base: str  # the base config, experiments/configs/<base>.toml (global batch split over the n ranks)
+    n: int  # the main cells' data-parallel size (32: one rank is one GPU of the paper's cluster)
+    ns: tuple[int, ...]  # the n-sweep: high failures, seed 0
+    seeds: int  # seeds of every row at the main n
+    high_seeds: int  # seeds of the high-level rows that decide the claim: failure-free, mecefo, drop
+    node: int  # ranks per node; the asymmetric rows fail only the first node's ranks
+
+
+DESIGNS = {
+    "quick": Design("sweep-quick", 4, (1, 2, 4), 2, 2, 2),
+    "default": Design("sweep", 32, (1, 2, 4, 8, 16, 32), 2, 3, 8),
+    "long": Design("sweep", 32, (1, 2, 4, 8, 16, 32), 2, 12, 8),
+}
+FREQUENCIES = (2, 4)  # the higher-frequency rows: high's interval and recovery divided by k (same ratio, 1:4)
+OTHER_POLICIES = ("ndb-exact", "spread", "checkpoint-restart")  # beside the main ones, high, seed 0
+LAST_EVALUATIONS = 2  # the reported perplexity: exp of the mean validation loss of the run's last 2 evaluations
+
+
+def frequency_spec(k: int) -> str:
+    """Table 1's high scenario k times as frequent, with the same interval-to-recovery ratio."""
+    hi = failures.SCENARIOS["high"]
+    return f"custom:{hi.interval_h / k:g}:{hi.recovery_h / k:g}"
 
 
 def cells(profile: str, extra: tuple[str, ...] = ()) -> list[Cell]:
-    """The grid of a profile, plus the main comparison cells (beside mecefo's and drop's) for each policy in
-    `extra` (any registered trainer policy). Failure-free cells run once per (n, seed): every policy is the
-    same there."""
+    """The grid of a profile (DESIGNS), plus the main comparison cells (beside mecefo's and drop's) for each
+    policy in `extra` (any registered trainer policy). Failure-free cells run once per (n, seed): every
+    policy is the same there."""
     for name in extra:
         policies.get(name, trainer=True)
-    if profile == "quick":
-        out = [Cell(n, "none", "none", 0) for n in (1, 4)]
-        out += [Cell(4, "high", p, 0) for p in ("mecefo", "drop", "ndb-exact")]
-        out += [Cell(4, "high", "mecefo", 0, t, "fig3") for t in ("skip_attention", "skip_ffn")]
-        return list(dict.fromkeys(out + [Cell(4, "high", p, 0) for p in extra]))  # a policy already there: once
-    seeds3 = (0, 1, 2)
-    # failure-free runs do not depend on n (the global batch is split, the samples are the same): one seed
-    # for n < 8 checks that, three for n = 8, the main comparison
-    out = [Cell(n, "none", "none", s) for n in (1, 2, 4) for s in (0,)] + [Cell(8, "none", "none", s) for s in seeds3]
+    d = DESIGNS[profile]
+    seeds, high = range(d.seeds), range(d.high_seeds)
+    out = [Cell(d.n, "none", "none", s) for s in high]
+    out += [Cell(d.n, "high", p, s) for s in high for p in ("mecefo", "drop")]
     for level in ("low", "mid", "high"):
-        out += [Cell(8, level, p, s) for p in ("mecefo", "drop") for s in seeds3]
-        out += [Cell(n, level, p, 0) for n in (2, 4) for p in ("mecefo", "drop")]
-        out += [Cell(8, level, "spread-mecefo", 0)]
-    out += [Cell(8, "high", p, 0) for p in ("ndb-exact", "spread", "checkpoint-restart")]
-    out += [Cell(8, "high", "mecefo", 0, t, "fig3") for t in ("skip_attention", "skip_ffn")]
-    return list(dict.fromkeys(out + [Cell(8, level, p, s) for p in extra for level in ("low", "mid", "high") for s in seeds3]))
+        out += [Cell(d.n, level, p, s) for s in seeds for p in ("mecefo", "drop", "spread-mecefo")]
+    # the n-sweep at a fixed global batch; failure-free at n = 1 is every n's reference (the same samples;
+    # what differs from the main n's is the order of floating-point sums: the trajectory's own sensitivity)
+    out += [Cell(1, "none", "none", 0)]
+    out += [Cell(n, "high", p, 0) for n in d.ns if n > 1 for p in ("mecefo", "drop")]
+    out += [Cell(d.n, "high", p, 0) for p in OTHER_POLICIES]
+    out += [Cell(d.n, "high", "mecefo", s, t, "fig3") for s in seeds for t in ("skip_attention", "skip_ffn")]
+    first_node = ",".join(str(r) for r in range(d.node))
+    out += [Cell(d.n, "high", p, s, tag="asymmetric", failable=first_node) for s in seeds for p in ("mecefo", "drop")]
+    out += [Cell(d.n, frequency_spec(k), "mecefo", s, tag="frequency") for k in FREQUENCIES for s in seeds]
+    out += [Cell(d.n, level, p, s) for p in extra for level in ("low", "mid", "high") for s in seeds]
+    return list(dict.fromkeys(out))  # a cell listed twice runs once
 
 
 def cell_config(base: str, cell: Cell):
@@ -77,11 +110,19 @@ def cell_config(base: str, cell: Cell):
     return config_mod.with_overrides(
         cfg, data={"micro_batch_size": global_batch // cell.n}, train={"seed": cell.seed},
         cluster={"ranks": cell.n, "failures": cell.level, "policy": "mecefo" if cell.policy == "none" else cell.policy,
-                 "techniques": cell.techniques})
+                 "techniques": cell.techniques, "failable": cell.failable})
+
+
+def last_evaluations_ppl(metrics: list[dict], k: int = LAST_EVALUATIONS) -> float:
+    """exp of the mean validation loss over the last k evaluations of a run (its metrics rows)."""
+    losses = [m["val_loss"] for m in metrics if m.get("val_loss") is not None and not m.get("replay")]
+    if not losses:
+        raise ValueError("the run has no validation evaluation")
+    return math.exp(sum(losses[-k:]) / len(losses[-k:]))
 
 
 def run_sweep(profile: str, extra: tuple[str, ...] = ()) -> dict:
-    base = "sweep-quick" if profile == "quick" else "sweep"
+    base = DESIGNS[profile].base
     grid = cells(profile, extra)
     index, failed = [], []
     bar = tqdm(grid, desc=f"sweep ({profile})", disable=not sys.stderr.isatty())
@@ -93,15 +134,18 @@ def run_sweep(profile: str, extra: tuple[str, ...] = ()) -> dict:
         try:
             summary = run(cfg, out, quiet=True)
             entry["final_val_ppl"] = summary["final_val_ppl"]
+            entry["val_ppl"] = last_evaluations_ppl([json.loads(line) for line in (out / "metrics.jsonl").open()])
+            entry["wall_time_s"] = summary["wall_time_s"]
         except Exception as e:  # report and go on; the index records the failure
             entry["error"] = f"{type(e).__name__}: {e}"
             failed.append(entry)
             traceback.print_exc()
         index.append(entry)
         if bar.disable:
-            print(f"[{i + 1}/{len(grid)}] n={cell.n} {cell.level:4s} {cell.policy:18s} {cell.techniques:15s} seed {cell.seed}: "
-                  + (f"ppl {entry['final_val_ppl']:.3f}" if "final_val_ppl" in entry else entry["error"]), flush=True)
-    result = {"profile": profile, "base_config": base, "cells": index, "git_commit": git_commit(),
+            print(f"[{i + 1}/{len(grid)}] n={cell.n} {cell.level:4s} {cell.policy:18s} {cell.techniques:15s} {cell.tag:10s} "
+                  f"seed {cell.seed}: " + (f"ppl {entry['val_ppl']:.3f}" if "val_ppl" in entry else entry["error"]), flush=True)
+    result = {"profile": profile, "base_config": base, "design": DESIGNS[profile].__dict__,
+              "last_evaluations": LAST_EVALUATIONS, "cells": index, "git_commit": git_commit(),
               "wall_time_s": time.perf_counter() - t0}
     atomic_write_json(RESULTS / "sweep" / f"index-{profile}.json", result)
     print(f"sweep {profile}: {len(index) - len(failed)}/{len(index)} runs ok in {result['wall_time_s']:.0f} s "
@@ -172,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--quick", action="store_true", help="a few nano cells (CI)")
+    group.add_argument("--long", action="store_true", help=f"{DESIGNS['long'].high_seeds} seeds of the deciding high-level rows")
     group.add_argument("--full", action="store_true", help="write the paper-scale torchrun commands (dry run)")
     parser.add_argument("--policies", default="", help="comma-separated registered policies to add to the main cells")
     args = parser.parse_args(argv)
@@ -186,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: {mem['total'] / 1e9:.1f} GB per GPU of {GPU_BYTES / 1e9:.0f} (shard={mem['shard']}; {parts})")
         print(f"paper-scale commands (dry-run checked: configs resolve, shapes instantiate on meta, memory fits) -> {path}")
         return 0
-    result = run_sweep("quick" if args.quick else "default", tuple(p for p in args.policies.split(",") if p))
+    profile = "quick" if args.quick else "long" if args.long else "default"
+    result = run_sweep(profile, tuple(p for p in args.policies.split(",") if p))
     return 1 if any("error" in c for c in result["cells"]) else 0
 
 

@@ -2,18 +2,23 @@
 
     python -m experiments.variance [--quick]
 
-At the sweep's main cell (its base config, n = 8, high failures), K seeds per factor:
+At the sweep's main cell (its base config and main n: 32, one rank per GPU of the paper's cluster; high
+failures), K = 3 seeds per factor:
 - training seed (initialisation and data order) varied, the failure schedule held fixed (failure_seed 100);
 - failure schedule varied (failure_seed), the training seed held fixed (0);
+- both varied, as in the sweep (its cells, reused);
+- both varied, with failures from step 0 (without the base config's failure-free warm start);
 for failure-free training (training-seed factor only: it sees no failures), MeCeFO and drop. Measured per
 factor: the standard deviation over seeds of the final validation perplexity and of the paired relative
 changes MeCeFO - failure-free, drop - failure-free and MeCeFO - drop (paired by training seed, and every
-policy of a seed on the same schedule). Runs are cached by config hash under results/variance/.
+policy of a seed on the same schedule). Runs are cached by config hash under results/sweep/ (shared with
+the sweep). run_all.sh runs it in the --long and --quick profiles.
 Writes results/variance/variance-<profile>.json; python -m paper_figures.variance tabulates it.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 
 import numpy as np
@@ -26,38 +31,51 @@ from mecefo.stats import paired_relative_change
 from mecefo.train import run
 
 from .common import guarded, run_dir
-from .sweep import Cell, cell_config
+from .sweep import DESIGNS, Cell, cell_config, last_evaluations_ppl
 
 FIXED_FAILURE_SEED = 100
-N = 8
+POLICIES = ("none", "mecefo", "drop")
 
 
-def config(base: str, policy: str, seed: int, failure_seed: int):
-    """The sweep's cell (experiments.sweep.cell_config) with its own failure seed (failure-free: one run per seed)."""
-    cfg = cell_config(base, Cell(N, "none" if policy == "none" else "high", policy, seed))
-    return config_mod.with_overrides(cfg, cluster={"failure_seed": -1 if policy == "none" else failure_seed})
+def config(base: str, n: int, policy: str, seed: int, failure_seed: int, warm_start: bool = True):
+    """The sweep's cell (experiments.sweep.cell_config) with its own failure seed (-1: the training seed), and
+    without the base's failure-free warm start if not warm_start (failure-free: one run per seed)."""
+    cfg = cell_config(base, Cell(n, "none" if policy == "none" else "high", policy, seed))
+    if policy == "none":
+        return config_mod.with_overrides(cfg, cluster={"failure_seed": -1})
+    return config_mod.with_overrides(cfg, cluster={"failure_seed": failure_seed,
+                                                   **({} if warm_start else {"failure_free_steps": 0})})
+
+
+def factors(k: int) -> dict[str, list[tuple[int, int, bool]]]:
+    """Per factor, its k (training seed, failure seed, warm start) triples."""
+    return {"training seed (schedule fixed)": [(s, FIXED_FAILURE_SEED, True) for s in range(k)],
+            "failure schedule (training seed fixed)": [(0, 200 + s, True) for s in range(k)],
+            "both, as the sweep": [(s, -1, True) for s in range(k)],
+            "both, failures from step 0 (no warm start)": [(s, -1, False) for s in range(k)]}
 
 
 def main(argv: list[str] | None = None) -> int:
     quick = quick_flag(argv, __doc__)
-    base, k = ("sweep-quick", 2) if quick else ("sweep", 4)
-    factors = {"training seed": [(s, FIXED_FAILURE_SEED) for s in range(k)],
-               "failure schedule": [(0, 200 + s) for s in range(k)]}
-    plan = [(f, p, s, fs) for f, pairs in factors.items() for s, fs in pairs for p in ("none", "mecefo", "drop")]
+    design, k = (DESIGNS["quick"], 2) if quick else (DESIGNS["default"], 3)
+    base, n = design.base, design.n
+    plan = [(f, p, *t) for f, triples in factors(k).items() for t in triples for p in POLICIES]
     ppl = {}
-    for f, p, s, fs in tqdm(plan, desc="variance", disable=not sys.stderr.isatty()):
-        cfg = config(base, p, s, fs)
-        ppl[(f, p, s, fs)] = run(cfg, run_dir("variance", cfg), quiet=True)["final_val_ppl"]  # reused when done
+    for key in tqdm(plan, desc="variance", disable=not sys.stderr.isatty()):
+        cfg = config(base, n, *key[1:])
+        out = run_dir("sweep", cfg)  # the sweep's folder: cells the sweep ran are reused
+        run(cfg, out, quiet=True)  # reused when done
+        ppl[key] = last_evaluations_ppl([json.loads(line) for line in (out / "metrics.jsonl").open()])
     out = {}
-    for f, pairs in factors.items():
-        get = {p: np.array([ppl[(f, p, s, fs)] for s, fs in pairs]) for p in ("none", "mecefo", "drop")}
+    for f, triples in factors(k).items():
+        get = {p: np.array([ppl[(f, p, *t)] for t in triples]) for p in POLICIES}
         row = {"seeds": k, "ppl_sd": {p: float(v.std(ddof=1)) for p, v in get.items()}}
         for a, b in (("mecefo", "none"), ("drop", "none"), ("mecefo", "drop")):
             r = paired_relative_change(get[a], get[b])
             row[f"{a}-{b}"] = {"mean": r.mean, "sd": r.sd, "ci95": list(r.ci)}
         out[f] = row
     path = measurement("variance", "variance", quick)
-    atomic_write_json(path, {"base_config": base, "n": N, "level": "high", "factors": out, "git_commit": git_commit()})
+    atomic_write_json(path, {"base_config": base, "n": n, "level": "high", "factors": out, "git_commit": git_commit()})
     for f, row in out.items():
         print(f"{f}: sd of paired change mecefo-none {row['mecefo-none']['sd']:.2f}, drop-none {row['drop-none']['sd']:.2f}, "
               f"mecefo-drop {row['mecefo-drop']['sd']:.2f} points")

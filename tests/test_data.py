@@ -91,6 +91,18 @@ def test_eval_windows_are_fixed(nano_data):
     assert sum(len(x) for x in a) == DataConfig().val_windows
 
 
+def test_whole_split_evaluation_covers_every_window_once_in_any_batching(nano_data):
+    """val_windows = 0 takes every non-overlapping window of the split; the batching changes nothing else."""
+    whole = TokenData(DataConfig(vocab_size=512, seq_len=64, micro_batch_size=4, val_windows=0))
+    arr = whole.tokens["val"]
+    by4 = np.concatenate([x for x, _ in whole.eval_batches("val")])
+    by7 = np.concatenate([x for x, _ in whole.eval_batches("val", batch=7)])
+    assert len(by4) == (len(arr) - 1) // 64 and np.array_equal(by4, by7)
+    assert np.array_equal(by4[:, 0], arr[np.arange(len(by4)) * 64])  # consecutive windows, none skipped
+    with pytest.raises(UsageError, match="val_windows"):
+        DataConfig(val_windows=-1).validate()
+
+
 def _write_c4_fixture(folder, split, n_docs, seed):
     rng = np.random.default_rng(seed)
     words = ["the", "colossal", "clean", "crawled", "corpus", "web", "page", "text", "of", "and", "a", "model"]

@@ -209,3 +209,17 @@ def test_a_stationary_schedule_keeps_its_initially_down_ranks_through_export(tmp
     export_trace(s, tmp_path / "t.csv")
     back = read_trace(tmp_path / "t.csv", 8, 200, 120.0)
     assert back.initially_down == s.initially_down and back.failure_events() == s.failure_events()
+
+
+def test_a_warm_start_shifts_the_stationary_schedule_and_keeps_it_exportable(tmp_path):
+    """failure_free_steps = k: no failure in the first k steps, then the stationary schedule's first steps,
+    its initially-down ranks failing at step k; export and replay give the same failed sets."""
+    base = generate(SCENARIOS["high"], 32, 120, 219.6, seed=3, start="stationary")
+    assert base.initially_down  # this seed has ranks down at step 0
+    warm = base.after_warm_start(40)
+    assert len(warm.failed) == 120 and all(not f for f in warm.failed[:40])
+    assert warm.failed[40:] == base.failed[:80]
+    assert warm.new_failures(40) == base.failed[0] and not warm.initially_down
+    assert base.after_warm_start(0) is base and all(not f for f in base.after_warm_start(500).failed)
+    export_trace(warm, tmp_path / "warm.csv")
+    assert read_trace(tmp_path / "warm.csv", 32, 120, 219.6).failed == warm.failed

@@ -132,12 +132,27 @@ def test_sweep_pairs_by_seed_and_reads_the_power_curve():
     from mecefo.stats import seeds_needed
     from paper_figures.sweep import paired, paired_table
 
-    rows = [{"tag": "main", "n": 8, "level": "none", "policy": "none", "seed": s, "final_val_ppl": 100.0 + s} for s in range(3)]
-    rows += [{"tag": "main", "n": 8, "level": "high", "policy": "mecefo", "seed": s, "final_val_ppl": (100.0 + s) * 1.02}
+    rows = [{"tag": "main", "n": 8, "level": "none", "policy": "none", "seed": s, "val_ppl": 100.0 + s} for s in range(3)]
+    rows += [{"tag": "main", "n": 8, "level": "high", "policy": "mecefo", "seed": s, "val_ppl": (100.0 + s) * 1.02}
              for s in (2, 0, 1)]  # another order: pairing is by seed
-    df = pd.DataFrame(rows)
+    rows += [{"tag": "fig3", "n": 8, "level": "high", "policy": "mecefo", "seed": 0, "val_ppl": 50.0, "techniques": "skip_ffn"}]
+    df = pd.DataFrame(rows).fillna({"techniques": "mecefo"})
     r = paired(df, 8, "high", "mecefo", "none")
     assert r.pairs == 3 and r.mean == pytest.approx(2.0) and r.sd == pytest.approx(0.0, abs=1e-9)
     assert paired(df, 8, "high", "drop", "none") is None
     assert "worse" in "\n".join(paired_table(df, 8)) or "equal" in "\n".join(paired_table(df, 8))
     assert seeds_needed(float("nan")) is None and seeds_needed(1.0) == 7  # t_{6} / sqrt(7) = 0.92 <= 1
+    assert paired(df[df["tag"] == "main"], 8, "high", "mecefo", "none") == r  # the Figure 3 run is not a main cell
+
+
+def test_the_reported_perplexity_is_the_mean_loss_of_the_last_evaluations():
+    import math
+
+    from experiments.sweep import last_evaluations_ppl
+
+    rows = [{"step": s, "val_loss": 5.0 - s / 100} for s in range(0, 101, 25)] + [{"step": 101, "loss": 1.0}]
+    rows.insert(3, {"step": 50, "val_loss": 0.0, "replay": True})  # replayed evaluations (checkpoint-restart) are not counted
+    assert last_evaluations_ppl(rows, 2) == pytest.approx(math.exp((4.25 + 4.0) / 2))
+    assert last_evaluations_ppl(rows, 99) == pytest.approx(math.exp(sum(5.0 - s / 100 for s in range(0, 101, 25)) / 5))
+    with pytest.raises(ValueError, match="no validation"):
+        last_evaluations_ppl([{"step": 1, "loss": 2.0}])

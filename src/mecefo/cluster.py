@@ -40,6 +40,7 @@ class ClusterConfig:
     recovery: str = "fixed"  # fixed | exponential
     failure_start: str = "stationary"  # stationary (ranks already down at step 0 as in steady state) | cold (all alive)
     failable: str = ""  # asymmetric mode: comma-separated ranks that can fail ("" = all)
+    failure_free_steps: int = 0  # the first k steps see no failure (a warm start shared by every policy of a seed)
     all_down: str = "skip"  # skip (log and skip the step) | error
     restart_every: int = 50  # checkpoint-restart: steps between checkpoints
     r: float = 0.125  # low-rank width of low_rank_wgrad (>= 1 absolute, < 1 a fraction of min(m, n))
@@ -73,6 +74,8 @@ class ClusterConfig:
             raise UsageError(f"cluster.failure_start={self.failure_start!r}; allowed: 'stationary', 'cold'")
         if self.all_down not in ("skip", "error"):
             raise UsageError(f"cluster.all_down={self.all_down!r}; allowed: 'skip', 'error'")
+        if self.failure_free_steps < 0:
+            raise UsageError(f"cluster.failure_free_steps={self.failure_free_steps} must be non-negative")
         if self.restart_every < 1 or self.low_rank_tau < 1 or self.r <= 0:
             raise UsageError("cluster.restart_every, cluster.low_rank_tau and cluster.r must be positive")
         self.failable_ranks()

@@ -100,11 +100,18 @@ class Config:
         return dataclasses.asdict(self)
 
     def hash(self) -> str:
-        """Identity of the results this config produces (logging cadence and device excluded)."""
+        """Identity of the results this config produces (logging cadence and device excluded; fields added
+        after results existed are left out at their default, so those results keep their identity)."""
         d = self.to_dict()
         for k in ("log_every", "device"):
             d["train"].pop(k)
+        for (section, key), default in HASH_NEUTRAL_DEFAULTS.items():
+            if d[section][key] == default:
+                d[section].pop(key)
         return stable_hash(d)
+
+
+HASH_NEUTRAL_DEFAULTS = {("cluster", "failure_free_steps"): 0}
 
 
 RENAMED = {"low_rank": "r"}  # old key -> new key, refused with a message naming the new one

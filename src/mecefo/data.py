@@ -169,15 +169,17 @@ class DataConfig:
     c4_train_tokens: int = 20_000_000  # c4: tokens of the training stream kept in the memmap
     c4_val_tokens: int = 2_000_000
     c4_tokenizer_docs: int = 100_000  # c4: documents the BPE is trained on
-    val_windows: int = 64  # validation/test windows of seq_len tokens
+    val_windows: int = 64  # validation/test windows of seq_len tokens (0: every window of the split)
 
     def validate(self) -> None:
         if self.dataset not in ("shakespeare", "c4"):
             raise UsageError(f"data.dataset={self.dataset!r}; allowed: 'shakespeare', 'c4'")
-        for name in ("vocab_size", "seq_len", "micro_batch_size", "grad_accum", "val_windows",
+        for name in ("vocab_size", "seq_len", "micro_batch_size", "grad_accum",
                      "c4_train_tokens", "c4_val_tokens", "c4_tokenizer_docs"):
             if getattr(self, name) < 1:
                 raise UsageError(f"data.{name}={getattr(self, name)} must be a positive integer")
+        if self.val_windows < 0:
+            raise UsageError(f"data.val_windows={self.val_windows} must be a positive integer, or 0 for the whole split")
         if self.tokenizer_file and not Path(self.tokenizer_file).is_file():
             raise UsageError(f"data.tokenizer_file={self.tokenizer_file!r} does not exist")
 
@@ -229,11 +231,13 @@ class TokenData:
         xy = np.stack(rows).astype(np.int64)
         return xy[:, :-1], xy[:, 1:]
 
-    def eval_batches(self, split: str = "val") -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """A fixed set of val_windows non-overlapping windows spread evenly over the split."""
-        arr, t, b = self.tokens[split], self.cfg.seq_len, self.cfg.micro_batch_size
+    def eval_batches(self, split: str = "val", batch: int | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """A fixed set of val_windows non-overlapping windows spread evenly over the split (all of them for
+        val_windows = 0), in batches of `batch` windows (default: micro_batch_size)."""
+        arr, t, b = self.tokens[split], self.cfg.seq_len, batch or self.cfg.micro_batch_size
         available = (len(arr) - 1) // t
-        starts = (np.linspace(0, available - 1, num=min(self.cfg.val_windows, available)).astype(np.int64)) * t
+        count = available if self.cfg.val_windows == 0 else min(self.cfg.val_windows, available)
+        starts = (np.linspace(0, available - 1, num=count).astype(np.int64)) * t
         for i in range(0, len(starts), b):
             xy = np.stack([arr[s : s + t + 1] for s in starts[i : i + b]]).astype(np.int64)
             yield xy[:, :-1], xy[:, 1:]

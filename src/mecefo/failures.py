@@ -74,6 +74,17 @@ class Schedule:
     def failure_events(self) -> int:
         return sum(e.kind == "remove" for e in self.events)
 
+    def after_warm_start(self, k: int) -> "Schedule":
+        """This schedule shifted k steps later (its last k steps cut): the first k steps see no failure, a
+        failure-free warm start that every policy of a seed shares; ranks down at its time 0 fail at step k."""
+        if k <= 0:
+            return self
+        steps, shift = len(self.failed), k * self.seconds_per_step
+        events = [Event(shift, "remove", r) for r in sorted(self.initially_down)]
+        events += [Event(e.time_s + shift, e.kind, e.rank) for e in self.events if e.time_s + shift < steps * self.seconds_per_step]
+        return Schedule(self.n_ranks, (frozenset(),) * min(k, steps) + self.failed[: max(steps - k, 0)], tuple(events),
+                        self.seconds_per_step, frozenset())
+
     def new_failures(self, step: int) -> frozenset[int]:
         """Ranks that are failed at `step` and were not at step - 1."""
         before = self.failed[step - 1] if step > 0 else frozenset()

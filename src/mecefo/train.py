@@ -88,13 +88,17 @@ def apply_update(optimizer: torch.optim.Optimizer, lr: float) -> None:
     optimizer.step()
 
 
+EVAL_BATCH = 32
+
+
 @torch.no_grad()
 def evaluate(model: GPT, data: TokenData, split: str, device: torch.device, precision: str) -> float:
-    """Mean next-token cross-entropy over the split's fixed evaluation windows."""
+    """Mean next-token cross-entropy over the split's fixed evaluation windows (in batches of at least
+    EVAL_BATCH windows, whatever the per-rank micro-batch)."""
     was_training = model.training
     model.eval()
     total, rows = 0.0, 0
-    for x, y in data.eval_batches(split):
+    for x, y in data.eval_batches(split, max(EVAL_BATCH, data.cfg.micro_batch_size)):
         with autocast(device, precision):
             loss = model(torch.from_numpy(x).to(device), torch.from_numpy(y).to(device))
         total += loss.item() * len(x)
@@ -178,7 +182,7 @@ class Run:
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.schedule = failures.resolve(cc.failures, cc.ranks, tc.steps, cc.seconds_per_step,
                                          tc.seed if cc.failure_seed < 0 else cc.failure_seed, cc.recovery,
-                                         cc.failable_ranks(), cc.failure_start)
+                                         cc.failable_ranks(), cc.failure_start).after_warm_start(cc.failure_free_steps)
         self.policy = policies.get(cc.policy, trainer=True)(cc)
         self.lowrank = LowRankWgrad(r=cc.r, tau=cc.low_rank_tau, svd=cc.low_rank_svd, seed=tc.seed).bind(self.model)
         backend = LocalCluster if cc.backend == "local" else (ShardedCluster if cc.shard == "fsdp" else TorchCluster)
