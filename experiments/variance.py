@@ -7,9 +7,10 @@ failures), K = 3 seeds per factor:
 - training seed (initialisation and data order) varied, the failure schedule held fixed (failure_seed 100);
 - failure schedule varied (failure_seed), the training seed held fixed (0);
 - both varied, as in the sweep (its cells, reused);
-- both varied, with failures from step 0 (without the base config's failure-free warm start);
+- both varied, with failures from step 0 (without the base config's failure-free warm start; seconds per
+  step scaled so that the failures still span the same hours);
 for failure-free training (training-seed factor only: it sees no failures), MeCeFO and drop. Measured per
-factor: the standard deviation over seeds of the final validation perplexity and of the paired relative
+factor: the standard deviation over seeds of the reported perplexity (experiments.sweep.last_evaluations_ppl) and of the paired relative
 changes MeCeFO - failure-free, drop - failure-free and MeCeFO - drop (paired by training seed, and every
 policy of a seed on the same schedule). Runs are cached by config hash under results/sweep/ (shared with
 the sweep). run_all.sh runs it in the --long and --quick profiles.
@@ -43,8 +44,11 @@ def config(base: str, n: int, policy: str, seed: int, failure_seed: int, warm_st
     cfg = cell_config(base, Cell(n, "none" if policy == "none" else "high", policy, seed))
     if policy == "none":
         return config_mod.with_overrides(cfg, cluster={"failure_seed": -1})
-    return config_mod.with_overrides(cfg, cluster={"failure_seed": failure_seed,
-                                                   **({} if warm_start else {"failure_free_steps": 0})})
+    if warm_start:
+        return config_mod.with_overrides(cfg, cluster={"failure_seed": failure_seed})
+    cc, steps = cfg.cluster, cfg.train.steps  # the same hours of failures over all the steps
+    return config_mod.with_overrides(cfg, cluster={"failure_seed": failure_seed, "failure_free_steps": 0,
+                                                   "seconds_per_step": cc.seconds_per_step * (steps - cc.failure_free_steps) / steps})
 
 
 def factors(k: int) -> dict[str, list[tuple[int, int, bool]]]:

@@ -1,7 +1,8 @@
 """The Table 3 analog, validation-loss curves, perplexity against failure level, and the Figure 3 analog,
-from results/sweep/ only; with the default profile it also rewrites the README's results section.
+from results/sweep/ only; with the default (--long) profile it also rewrites the README's results (results-long)
+section and the committed PNGs in docs/figures/ (with a _long suffix for --long).
 
-    python -m paper_figures.sweep [--quick]
+    python -m paper_figures.sweep [--quick | --long]
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
+from mecefo import failures
 from mecefo.errors import UsageError, guarded
 from mecefo.results import RESULTS, load_config, paper_numbers, sweep_index
 from mecefo.stats import Paired, interval_half_width, paired_relative_change, seeds_needed, verdict_word
@@ -34,6 +36,9 @@ def load(profile: str) -> tuple[pd.DataFrame, dict]:
         raise UsageError(f"no {path}; run python -m experiments.sweep{'' if profile == 'default' else ' --' + profile} first")
     index = json.loads(path.read_text())
     df = pd.DataFrame([c for c in index["cells"] if METRIC in c])
+    if df.empty:
+        raise UsageError(f"{path} has no finished run with {METRIC!r} (an older format, or every run failed); rerun "
+                         f"python -m experiments.sweep{'' if profile == 'default' else ' --' + profile}")
     for col, default in (("failable", ""), ("tag", "main")):
         df[col] = df[col].fillna(default) if col in df else default
     return df, index
@@ -46,7 +51,8 @@ def relative_table(df: pd.DataFrame) -> pd.DataFrame:
     base = main[main["level"] == "none"].set_index(["n", "seed"])[METRIC]
     rows = []
     for (n, level, policy), g in main.groupby(["n", "level", "policy"]):
-        ref = base.reindex([(n, s) for s in g["seed"]]).to_numpy()
+        at_n = n in base.index.get_level_values(0)  # otherwise n = 1's failure-free runs: the same samples
+        ref = np.array([base.get((n if at_n else 1, s), np.nan) for s in g["seed"]])
         rel = 100 * (g[METRIC].to_numpy() / ref - 1)
         rows.append({"n": n, "level": level, "policy": policy, "seeds": len(g), "ppl_mean": g[METRIC].mean(),
                      "ppl_std": g[METRIC].std(ddof=1) if len(g) > 1 else float("nan"),
@@ -65,6 +71,9 @@ def table_markdown(rel: pd.DataFrame, index: dict, n_main: int) -> str:
              "seeds (seeds column); change relative to failure-free at the same n, paired by seed.\n"]
     for n, g in rel[rel["n"] == n_main].groupby("n"):  # the n-sweep: sweep_n.md
         lines += [f"\n## n = {n}\n", "| policy | " + " | ".join(LEVELS) + " |", "|---|" + "---|" * len(LEVELS)]
+        if g[g["level"] == "none"].empty:
+            lines.append("(no failure-free run at this n)")
+            continue
         none = g[g["level"] == "none"].iloc[0]
         for policy in sorted(set(g["policy"]) - {"none"}):
             cells = [fmt(none["ppl_mean"], none["ppl_std"])]
@@ -153,9 +162,11 @@ def rows_of(df: pd.DataFrame, index: dict) -> list[tuple[str, str, tuple, tuple]
         label = f"high, asymmetric (only ranks {first}-{last} fail)"
         out += [(label, f"{p} − failure-free", ("asymmetric", "high", p, "mecefo"), NONE) for p in ("mecefo", "drop")]
         out += [(label, "mecefo − drop", ("asymmetric", "high", "mecefo", "mecefo"), ("asymmetric", "high", "drop", "mecefo"))]
-    for spec in sorted(set(df[df["tag"] == "frequency"]["level"]), key=lambda s: -float(s.split(":")[1])):
-        interval, recovery = spec.split(":")[1:]
-        label = f"high x{0.5 / float(interval):g} frequency (a failure every {float(interval) * 60:g} min, recovery {recovery} h)"
+    high = failures.SCENARIOS["high"]
+    for spec in sorted(set(df[df["tag"] == "frequency"]["level"]), key=lambda s: -failures.scenario(s).interval_h):
+        sc = failures.scenario(spec)
+        label = (f"high x{high.interval_h / sc.interval_h:g} frequency (Table 1 interval {sc.interval_h:g} h, "
+                 f"recovery {sc.recovery_h:g} h)")
         out += [(label, f"{p} − failure-free", ("frequency", spec, p, "mecefo"), NONE) for p in ("mecefo", "drop")]
         out += [(label, "mecefo − drop", ("frequency", spec, "mecefo", "mecefo"), ("frequency", spec, "drop", "mecefo"))]
     return out
@@ -181,13 +192,13 @@ def paired_table(df: pd.DataFrame, n: int, rows: list | None = None) -> list[str
 
 
 def n_sweep(df: pd.DataFrame) -> pd.DataFrame:
-    """Per n: failure-free ppl (seed 0; n = 1's where that n has no failure-free run: the samples are the
-    same), and mecefo's and drop's change against it at high failures."""
+    """Per n: mecefo's and drop's change at high failures against failure-free training at n = 1 (seed 0; the
+    same samples at every n), the reference of every n alike."""
     main, rows = df[(df["tag"] == "main") & (df["seed"] == 0)], []
     ref = main[(main["level"] == "none")].set_index("n")[METRIC]
     for n in sorted(main["n"].unique()):
         at = main[main["n"] == n].set_index(["level", "policy"])[METRIC]
-        row = {"n": int(n), "failure-free ppl": at.get(("none", "none"), ref.get(1, np.nan))}
+        row = {"n": int(n), "failure-free ppl": ref.get(1, np.nan)}
         for p in ("mecefo", "drop"):
             row[f"{p} − failure-free (%)"] = 100 * (at.get(("high", p), np.nan) / row["failure-free ppl"] - 1)
         rows.append(row)
@@ -196,7 +207,8 @@ def n_sweep(df: pd.DataFrame) -> pd.DataFrame:
 
 def n_sweep_markdown(table: pd.DataFrame) -> str:
     cols = list(table.columns)
-    lines = ["# n-sweep at a fixed global batch, high failures, seed 0\n", "| " + " | ".join(cols) + " |", "|---" * len(cols) + "|"]
+    lines = ["# n-sweep at a fixed global batch, high failures, seed 0\n",
+             "Every n against failure-free training at n = 1 (the same samples at every n).\n", "| " + " | ".join(cols) + " |", "|---" * len(cols) + "|"]
     lines += ["| " + " | ".join(str(int(r[c])) if c == "n" else f"{r[c]:.2f}" for c in cols) + " |" for _, r in table.iterrows()]
     return "\n".join(lines) + "\n"
 
@@ -269,6 +281,28 @@ def trajectory_spread(df: pd.DataFrame, n: int) -> str:
             "rounding size.")
 
 
+def against_paper(df: pd.DataFrame, n: int, paper: dict[str, list[float]]) -> str:
+    """Where our interval of MeCeFO - failure-free lies against the paper's range, per level."""
+    parts = []
+    for lvl, v in paper.items():
+        r = paired(df, n, lvl, "mecefo", "none")
+        if r is None or not np.isfinite(r.ci[0]):
+            continue
+        lo, hi = min(v), max(v)
+        where = ("above the paper's range" if r.ci[0] > hi else "below the paper's range" if r.ci[1] < lo
+                 else "overlapping the paper's range")
+        parts.append(f"{lvl} [{r.ci[0]:+.2f}, {r.ci[1]:+.2f}]% ({where})")
+    return ("Ours, MeCeFO − failure-free: " + "; ".join(parts) + ".") if parts else ""
+
+
+def spread_words(index: dict, n: int) -> str:
+    if load_config(index["base_config"]).data.micro_batch_size // n > 1:
+        return ""
+    return ("\nAt n = " + str(n) + " a rank holds one sequence, which spread-mecefo cannot split by rows: it gives each "
+            "failed rank's sequence to one survivor, with the techniques on that extra sequence only (MeCeFO's "
+            "neighbour applies them to both of its sequences), so its row is a lighter MeCeFO, not a spread.")
+
+
 def evaluation_words(index: dict) -> str:
     cfg = load_config(index["base_config"])
     windows = "the whole validation split" if cfg.data.val_windows == 0 else f"{cfg.data.val_windows} validation windows"
@@ -292,8 +326,9 @@ def results_section(df: pd.DataFrame, index: dict, n: int, table: pd.DataFrame) 
              "\nFigure 3 analog (the neighbour skips attention or the FFN in its backward pass), same pairing:\n",
              *paired_table(df, n, figure3_rows(df)),
              "\nThe paper's MeCeFO change against failure-free (350M-7B): "
-             + ", ".join(f"{lvl} +{min(v):.2f} .. +{max(v):.2f}%" for lvl, v in paper.items()) + ".",
-             "", trajectory_spread(df, n)]
+             + ", ".join(f"{lvl} +{min(v):.2f} .. +{max(v):.2f}%" for lvl, v in paper.items()) + ". "
+             + against_paper(df, n, paper),
+             "", trajectory_spread(df, n), spread_words(index, n)]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -307,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     df, index = load(profile)
     n = int(index.get("design", {}).get("n", df["n"].max()))
     suffix = "" if profile != "long" else "_long"
-    committed = profile != "quick"
+    committed = profile == "default"
     style()
     table = n_sweep(df)
     paths = [write_table(f"sweep_table3{suffix}", table_markdown(relative_table(df), index, n)),

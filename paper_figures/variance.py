@@ -25,7 +25,7 @@ def seeds_for(sd: float) -> str:
 
 def table(result: dict) -> str:
     lines = [f"# Where the variance comes from (base `{result['base_config']}`, n = {result['n']}, {result['level']} failures)\n",
-             "Each factor varied alone over the seeds; sd in points of relative perplexity change (%); 'seeds for ±1': "
+             "Each factor varied over the seeds as its name says; sd in points of relative perplexity change (%); 'seeds for ±1': "
              "the seeds a 95% t-interval of half-width 1 point needs at that sd.\n",
              "| factor varied | seeds | sd of ppl: failure-free / MeCeFO / drop | " +
              " | ".join(f"{c}: mean (sd), seeds for ±1" for c in COMPARISONS) + " |",
@@ -35,7 +35,7 @@ def table(result: dict) -> str:
         cells = [f"{row[c]['mean']:+.2f}% ({row[c]['sd']:.2f}), {seeds_for(row[c]['sd'])}" for c in COMPARISONS]
         lines.append(f"| {factor} | {row['seeds']} | {sd['none']:.2f} / {sd['mecefo']:.2f} / {sd['drop']:.2f} | "
                      + " | ".join(cells) + " |")
-    lines.append(f"\nSource: results/variance, commit `{result['git_commit'][:12]}`.")
+    lines.append(f"\nSource: results/variance/variance-*.json (runs in results/sweep), commit `{result['git_commit'][:12]}`.")
     return "\n".join(lines) + "\n"
 
 

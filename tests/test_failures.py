@@ -223,3 +223,16 @@ def test_a_warm_start_shifts_the_stationary_schedule_and_keeps_it_exportable(tmp
     assert base.after_warm_start(0) is base and all(not f for f in base.after_warm_start(500).failed)
     export_trace(warm, tmp_path / "warm.csv")
     assert read_trace(tmp_path / "warm.csv", 32, 120, 219.6).failed == warm.failed
+
+
+def test_a_logged_replay_is_not_shifted_again_and_a_warm_start_past_the_end_leaves_no_event(tmp_path):
+    import json
+
+    path = tmp_path / "failed_steps.json"
+    path.write_text(json.dumps({"n_ranks": 4, "failed": [[], [], [1], [1, 2], []]}))
+    replay = failures.resolve(f"steps:{path}", 4, 5, 60.0, seed=0, failure_free_steps=2)
+    assert replay.failed == (frozenset(), frozenset(), frozenset({1}), frozenset({1, 2}), frozenset())
+    shifted = failures.resolve("high", 32, 50, 219.6, seed=3, start="stationary", failure_free_steps=10)
+    assert shifted.failed[10:] == failures.resolve("high", 32, 50, 219.6, seed=3, start="stationary").failed[:40]
+    past = generate(SCENARIOS["high"], 32, 50, 219.6, seed=3, start="stationary").after_warm_start(50)
+    assert past.failure_events() == 0 and not past.events and all(not f for f in past.failed)

@@ -81,7 +81,8 @@ class Schedule:
             return self
         steps, shift = len(self.failed), k * self.seconds_per_step
         events = [Event(shift, "remove", r) for r in sorted(self.initially_down)]
-        events += [Event(e.time_s + shift, e.kind, e.rank) for e in self.events if e.time_s + shift < steps * self.seconds_per_step]
+        events += [Event(e.time_s + shift, e.kind, e.rank) for e in self.events]
+        events = [e for e in events if e.time_s < steps * self.seconds_per_step]
         return Schedule(self.n_ranks, (frozenset(),) * min(k, steps) + self.failed[: max(steps - k, 0)], tuple(events),
                         self.seconds_per_step, frozenset())
 
@@ -274,15 +275,18 @@ def scenario(spec: str) -> FailureScenario:
 
 
 def resolve(spec: str, n_ranks: int, steps: int, seconds_per_step: float, seed: int, recovery: str = "fixed",
-            failable: tuple[int, ...] | None = None, start: str = "cold") -> Schedule:
+            failable: tuple[int, ...] | None = None, start: str = "cold", failure_free_steps: int = 0) -> Schedule:
     """A scenario (name or custom:...), the path of a trace CSV (a trace starts as it says), or
-    steps:<file.json>, the failed set of every step as a run logged it (mecefo.launch's failed_steps.json)."""
+    steps:<file.json>, the failed set of every step as a run logged it (mecefo.launch's failed_steps.json);
+    scenarios and traces start after `failure_free_steps` (Schedule.after_warm_start), a steps: replay is
+    replayed as logged (its warm start, if any, is in the file)."""
     if spec.startswith("steps:"):
         return read_failed_steps(Path(spec[len("steps:"):]), n_ranks, steps, seconds_per_step)
     if spec in SCENARIOS or spec.startswith("custom:"):
-        return generate(scenario(spec), n_ranks, steps, seconds_per_step, seed, recovery, failable, start)
+        return generate(scenario(spec), n_ranks, steps, seconds_per_step, seed, recovery, failable,
+                        start).after_warm_start(failure_free_steps)
     if spec.endswith(".csv") or Path(spec).exists():
-        return read_trace(spec, n_ranks, steps, seconds_per_step)
+        return read_trace(spec, n_ranks, steps, seconds_per_step).after_warm_start(failure_free_steps)
     return generate(scenario(spec), n_ranks, steps, seconds_per_step, seed, recovery, failable)  # raises
 
 

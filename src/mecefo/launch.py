@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         cc = cfg.cluster
         schedule = failures.resolve(cc.failures, cc.ranks, cfg.train.steps, cc.seconds_per_step,
                                     cfg.train.seed if cc.failure_seed < 0 else cc.failure_seed, cc.recovery,
-                                    cc.failable_ranks(), cc.failure_start).after_warm_start(cc.failure_free_steps)
+                                    cc.failable_ranks(), cc.failure_start, cc.failure_free_steps)
         kills, down0 = kill_plan(schedule, args.kill, cc.ranks)
         start_step = 0
         if args.resume:

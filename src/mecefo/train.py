@@ -182,7 +182,7 @@ class Run:
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.schedule = failures.resolve(cc.failures, cc.ranks, tc.steps, cc.seconds_per_step,
                                          tc.seed if cc.failure_seed < 0 else cc.failure_seed, cc.recovery,
-                                         cc.failable_ranks(), cc.failure_start).after_warm_start(cc.failure_free_steps)
+                                         cc.failable_ranks(), cc.failure_start, cc.failure_free_steps)
         self.policy = policies.get(cc.policy, trainer=True)(cc)
         self.lowrank = LowRankWgrad(r=cc.r, tau=cc.low_rank_tau, svd=cc.low_rank_svd, seed=tc.seed).bind(self.model)
         backend = LocalCluster if cc.backend == "local" else (ShardedCluster if cc.shard == "fsdp" else TorchCluster)
