@@ -64,7 +64,7 @@ class Design:
 DESIGNS = {
     "quick": Design("sweep-quick", 4, (1, 2, 4), 2, 2, 2),
     "default": Design("sweep", 32, (1, 2, 4, 8, 16, 32), 2, 3, 8, others=False),  # within run_all's 90 min
-    "long": Design("sweep", 32, (1, 2, 4, 8, 16, 32), 2, 10, 8),
+    "long": Design("sweep", 32, (1, 2, 4, 8, 16, 32), 2, 8, 8),
 }
 FREQUENCIES = (2, 4)  # the higher-frequency rows: high's interval and recovery divided by k (same ratio, 1:4)
 OTHER_POLICIES = ("ndb-exact", "spread", "checkpoint-restart")  # beside the main ones, high, seed 0
