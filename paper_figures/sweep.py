@@ -91,7 +91,14 @@ def table_markdown(rel: pd.DataFrame, index: dict, n_main: int) -> str:
     return "\n".join(lines)
 
 
-def curves(df: pd.DataFrame, n: int):
+def mark_warm_start(ax, index: dict) -> None:
+    k = load_config(index["base_config"]).cluster.failure_free_steps
+    if k:
+        ax.axvline(k, color="grey", ls=":", lw=1)
+        ax.annotate("failures start", (k, 0.98), xycoords=("data", "axes fraction"), fontsize=7, ha="left", va="top")
+
+
+def curves(df: pd.DataFrame, n: int, index: dict):
     rows = []
     main = df[(df["tag"] == "main") & (df["n"] == n) & df["policy"].isin(["none", "mecefo", "drop"])]
     for _, c in main.iterrows():
@@ -105,6 +112,7 @@ def curves(df: pd.DataFrame, n: int):
     sns.lineplot(data, x="step", y="val_loss", hue="level", hue_order=[lvl for lvl in LEVELS if lvl in set(data["level"])],
                  style="policy", errorbar="sd", ax=ax)
     ax.set(title=f"Validation loss, n = {n} (mean ± sd over seeds)", ylabel="validation loss")
+    mark_warm_start(ax, index)
     return fig
 
 
@@ -226,7 +234,7 @@ def n_sweep_figure(table: pd.DataFrame):
     return fig
 
 
-def figure3(df: pd.DataFrame, n: int):
+def figure3(df: pd.DataFrame, n: int, index: dict):
     """Figure 3 analog: training-loss curves (20-step mean, mean ± sd over seeds) and the paired change of
     the perplexity with its 95% interval, skip attention vs skip FFN on the neighbour."""
     fig3 = df[(df["tag"] == "fig3") & (df["n"] == n)]
@@ -243,6 +251,7 @@ def figure3(df: pd.DataFrame, n: int):
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.6), gridspec_kw={"width_ratios": [3, 2]})
     sns.lineplot(pd.DataFrame(rows), x="step", y="train loss", hue="variant", errorbar="sd", ax=ax)
     ax.set(title=f"Figure 3 analog: n = {n}, high failures (20-step mean)")
+    mark_warm_start(ax, index)
     labels, means, halves = [], [], []
     for _, what, a, b in figure3_rows(df):
         r = paired_of(df, n, a, b)
@@ -347,10 +356,10 @@ def main(argv: list[str] | None = None) -> int:
     table = n_sweep(df)
     paths = [write_table(f"sweep_table3{suffix}", table_markdown(relative_table(df), index, n)),
              write_table(f"sweep_n{suffix}", n_sweep_markdown(table))]
-    paths += save_figure(curves(df, n), f"sweep_val_loss_curves{suffix}")
+    paths += save_figure(curves(df, n, index), f"sweep_val_loss_curves{suffix}")
     paths += save_figure(ppl_vs_level(df, n), f"sweep_ppl_vs_level{suffix}", committed)
     paths += save_figure(n_sweep_figure(table), f"sweep_n{suffix}", committed)
-    fig = figure3(df, n)
+    fig = figure3(df, n, index)
     if fig is not None:
         paths += save_figure(fig, f"sweep_figure3_skip_attention_vs_ffn{suffix}", committed)
     paths += save_figure(power_figure(df, n), f"sweep_power_curve{suffix}", committed)
