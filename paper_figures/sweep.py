@@ -117,16 +117,33 @@ def curves(df: pd.DataFrame, n: int, index: dict):
 
 
 def ppl_vs_level(df: pd.DataFrame, n: int):
-    main = df[(df["tag"] == "main") & (df["n"] == n)]
-    none = main[main["level"] == "none"]
-    parts = [main[main["level"] != "none"]]
-    for policy in sorted(set(main["policy"]) - {"none"}):  # failure-free is every policy's left point
-        parts.append(none.assign(policy=policy))
-    data = pd.concat(parts, ignore_index=True)
-    data["level"] = pd.Categorical(data["level"], LEVELS, ordered=True)
+    """The paired change of each policy against failure-free training per failure level, with its 95% interval
+    (a level's seeds differ from another's, so raw means across levels would not compare like with like)."""
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
-    sns.pointplot(data, x="level", y=METRIC, hue="policy", errorbar="sd", dodge=0.3, markersize=4, ax=ax)
-    ax.set(xlabel="failure level", ylabel="validation ppl (mean ± sd)", title=f"Perplexity against failure level, n = {n}")
+    levels = [lvl for lvl in LEVELS[1:] if lvl in set(df["level"])]
+    for k, policy in enumerate(("mecefo", "drop", "spread-mecefo")):
+        xs, means, lows, highs = [], [], [], []
+        for i, lvl in enumerate(levels):
+            r = paired(df, n, lvl, policy, "none")
+            if r is None:
+                continue
+            lo, hi = r.ci if np.isfinite(r.ci[0]) else (r.mean, r.mean)
+            xs.append(i + (k - 1) * 0.12)
+            means.append(r.mean)
+            lows.append(r.mean - lo)
+            highs.append(hi - r.mean)
+        if xs:
+            ax.errorbar(xs, means, yerr=[lows, highs], fmt="o-", capsize=3, label=policy)
+    paper = PAPER["table3_val_ppl"]["rows"]
+    for i, lvl in enumerate(levels):
+        vals = [100 * (v[LEVELS.index(lvl)] / v[0] - 1) for v in paper.values()]
+        ax.fill_between([i - 0.3, i + 0.3], min(vals), max(vals), color="grey", alpha=0.3, lw=0,
+                        label="paper, MeCeFO (350M-7B)" if i == 0 else None)
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xticks(range(len(levels)), levels)
+    ax.set(xlabel="failure level", ylabel="change of val ppl vs failure-free (%)",
+           title=f"Paired change, n = {n} (95% t-intervals)")
+    ax.legend(fontsize=7)
     return fig
 
 
