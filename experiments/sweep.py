@@ -14,7 +14,6 @@ and the sweep goes on. results/sweep/index-<profile>.json lists the cells of the
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -30,7 +29,7 @@ from mecefo.costs import Shape, training_memory
 from mecefo.errors import UsageError
 from mecefo.model import GPT, preset
 from mecefo.neighbour import Techniques
-from mecefo.records import atomic_write_json, atomic_write_text, git_commit
+from mecefo.records import atomic_write_json, atomic_write_text, git_commit, read_jsonl
 from mecefo.train import run
 
 from .common import CONFIGS, RESULTS, guarded, run_dir
@@ -114,6 +113,11 @@ def cell_config(base: str, cell: Cell):
                  "techniques": cell.techniques, "failable": cell.failable})
 
 
+def run_ppl(out) -> float:
+    """The reported perplexity of the finished run in folder `out` (its metrics.jsonl)."""
+    return last_evaluations_ppl(read_jsonl(out / "metrics.jsonl"))
+
+
 def last_evaluations_ppl(metrics: list[dict], k: int = LAST_EVALUATIONS) -> float:
     """exp of the mean validation loss over the last k evaluations of a run (its metrics rows)."""
     losses = [m["val_loss"] for m in metrics if m.get("val_loss") is not None and not m.get("replay")]
@@ -135,7 +139,7 @@ def run_sweep(profile: str, extra: tuple[str, ...] = ()) -> dict:
         try:
             summary = run(cfg, out, quiet=True)
             entry["final_val_ppl"] = summary["final_val_ppl"]
-            entry["val_ppl"] = last_evaluations_ppl([json.loads(line) for line in (out / "metrics.jsonl").open()])
+            entry["val_ppl"] = run_ppl(out)
             entry["wall_time_s"] = summary["wall_time_s"]
         except Exception as e:  # report and go on; the index records the failure
             entry["error"] = f"{type(e).__name__}: {e}"

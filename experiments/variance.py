@@ -19,7 +19,6 @@ Writes results/variance/variance-<profile>.json; python -m paper_figures.varianc
 
 from __future__ import annotations
 
-import json
 import sys
 
 import numpy as np
@@ -32,7 +31,7 @@ from mecefo.stats import paired_relative_change
 from mecefo.train import run
 
 from .common import guarded, run_dir
-from .sweep import DESIGNS, Cell, cell_config, last_evaluations_ppl
+from .sweep import DESIGNS, Cell, cell_config, run_ppl
 
 FIXED_FAILURE_SEED = 100
 POLICIES = ("none", "mecefo", "drop")
@@ -69,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config(base, n, *key[1:])
         out = run_dir("sweep", cfg)  # the sweep's folder: cells the sweep ran are reused
         run(cfg, out, quiet=True)  # reused when done
-        ppl[key] = last_evaluations_ppl([json.loads(line) for line in (out / "metrics.jsonl").open()])
+        ppl[key] = run_ppl(out)
     out = {}
     for f, triples in factors(k).items():
         get = {p: np.array([ppl[(f, p, *t)] for t in triples]) for p in POLICIES}
