@@ -31,6 +31,7 @@ step "sweep over n, failure level and policy (the paper's Table 3 and Figure 3)"
 python -m experiments.sweep $quick
 [ -z "$quick" ] && python -m experiments.sweep --full
 [ -n "$long" ] && python -m experiments.sweep --long
+python -m experiments.table3 $quick    # verdicts from every sweep index results/ holds (default + long)
 # where the variance comes from (18 more runs at n = 32): in the quick and long profiles
 if [ -n "$quick$long" ]; then python -m experiments.variance $quick; fi
 
@@ -50,12 +51,12 @@ python -m paper_figures.failure_free $quick
 python -m paper_figures.ablation $quick
 python -m paper_figures.svd_accuracy $quick
 python -m paper_figures.sweep $quick
-[ -n "$long" ] && python -m paper_figures.sweep --long
 if [ -n "$quick$long" ]; then python -m paper_figures.variance $quick; fi
 python -m paper_figures.throughput $quick
 python -m paper_figures.bias_variance $quick
 python -m paper_figures.grad_error $quick
 python -m paper_figures.rate $quick
+python -m paper_figures.headline $quick   # the README's first screen, from the results above
 python -m analysis.run_notebooks
 
 echo

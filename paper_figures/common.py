@@ -22,6 +22,19 @@ def style() -> None:
     sns.set_theme(context="paper", style="whitegrid", font_scale=1.1)
 
 
+def plain_log_ticks(axis, ticks=None) -> None:
+    """A log axis labelled in plain numbers (no "3x10^1" minor labels colliding with the major ones)."""
+    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter, NullLocator
+
+    if ticks is not None:
+        axis.set_ticks(ticks, [f"{t:g}" for t in ticks])
+    else:
+        axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        axis.set_major_formatter(FormatStrFormatter("%g"))
+    axis.set_minor_locator(NullLocator())
+    axis.set_minor_formatter(NullFormatter())
+
+
 COMMITTED = ROOT / "docs" / "figures"  # the README's figures: PNGs of the default profile, kept in git
 
 

@@ -1,259 +1,166 @@
-"""The Table 3 analog, validation-loss curves, perplexity against failure level, and the Figure 3 analog,
-from results/sweep/ only; with the default (--long) profile it also rewrites the README's results (results-long)
-section and the committed PNGs in docs/figures/ (with a _long suffix for --long).
+"""The Table 3 analog, validation-loss curves, the paired change against failure level, the n-sweep and the
+Figure 3 analog, drawn from results/sweep/table3-<profile>.json (experiments.table3 decides every verdict) and
+the runs it lists; the default profile also rewrites the README's results section and the committed PNGs in
+docs/figures/.
 
-    python -m paper_figures.sweep [--quick | --long]
+    python -m paper_figures.sweep [--quick]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import seaborn as sns
+from scipy import stats as sps
 
-from mecefo import failures
 from mecefo.errors import UsageError, guarded
-from mecefo.results import RESULTS, load_config, paper_numbers, sweep_index
-from mecefo.stats import Paired, interval_half_width, paired_relative_change, seeds_needed, verdict_word
+from mecefo.model import count_parameters, preset
+from mecefo.results import RESULTS, paper_numbers, quick_flag
 
-from .common import read_jsonl, save_figure, style, update_readme, write_table
+from .common import plain_log_ticks, read_jsonl, save_figure, style, update_readme, write_table
 
 LEVELS = ["none", "low", "mid", "high"]
-PAPER = paper_numbers()
-METRIC = "val_ppl"  # exp of the mean validation loss of a run's last evaluations (experiments.sweep)
-PROFILES = ("quick", "default", "long")
+POLICY_NAMES = {"none": "failure-free"}  # the one display map of policy ids
 
 
 def load(profile: str) -> tuple[pd.DataFrame, dict]:
-    path = sweep_index(profile == "quick") if profile != "long" else sweep_index(False).with_name("index-long.json")
+    path = RESULTS / "sweep" / f"table3-{profile}.json"
     if not path.exists():
-        raise UsageError(f"no {path}; run python -m experiments.sweep{'' if profile == 'default' else ' --' + profile} first")
-    index = json.loads(path.read_text())
-    df = pd.DataFrame([c for c in index["cells"] if METRIC in c])
-    if df.empty:
-        raise UsageError(f"{path} has no finished run with {METRIC!r} (an older format, or every run failed); rerun "
-                         f"python -m experiments.sweep{'' if profile == 'default' else ' --' + profile}")
-    for col, default in (("failable", ""), ("tag", "main")):
-        df[col] = df[col].fillna(default) if col in df else default
-    return df, index
+        raise UsageError(f"no {path}; run python -m experiments.table3{' --quick' if profile == 'quick' else ''} first")
+    table = json.loads(path.read_text())
+    return pd.DataFrame(table["cells"]), table
 
 
-def relative_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Mean and std of the perplexity per (n, level, policy) over seeds, and the change vs failure-free
-    at the same n (paired by seed where the seeds match)."""
-    main = df[df["tag"] == "main"]
-    base = main[main["level"] == "none"].set_index(["n", "seed"])[METRIC]
-    rows = []
-    for (n, level, policy), g in main.groupby(["n", "level", "policy"]):
-        at_n = n in base.index.get_level_values(0)  # otherwise n = 1's failure-free runs: the same samples
-        ref = np.array([base.get((n if at_n else 1, s), np.nan) for s in g["seed"]])
-        rel = 100 * (g[METRIC].to_numpy() / ref - 1)
-        rows.append({"n": n, "level": level, "policy": policy, "seeds": len(g), "ppl_mean": g[METRIC].mean(),
-                     "ppl_std": g[METRIC].std(ddof=1) if len(g) > 1 else float("nan"),
-                     "rel_mean": np.nanmean(rel), "rel_std": np.nanstd(rel, ddof=1) if len(g) > 1 else float("nan")})
-    return pd.DataFrame(rows)
+def name(policy: str) -> str:
+    return POLICY_NAMES.get(policy, policy)
 
 
-def fmt(mean: float, std: float, digits: int = 2) -> str:
-    return f"{mean:.{digits}f}" + (f" ± {std:.{digits}f}" if np.isfinite(std) else "")
+def shared_seeds(main: pd.DataFrame) -> list[int]:
+    """The seeds every (level, policy) cell of a table ran: raw means over them compare like with like."""
+    sets = [set(g["seed"]) for _, g in main.groupby(["level", "policy"])]
+    return sorted(set.intersection(*sets)) if sets else []
 
 
-def table_markdown(rel: pd.DataFrame, index: dict, n_main: int) -> str:
+def table_markdown(df: pd.DataFrame, t3: dict) -> str:
+    """Mean ± sd of the perplexity per (level, policy) at the main n over the seeds every cell shares, and the
+    paper's Table 3."""
+    n, cfg = t3["n"], t3["resolved_base_config"]
+    main = df[(df["tag"] == "main") & (df["n"] == n)]
+    seeds = shared_seeds(main)
+    main = main[main["seed"].isin(seeds)]
     lines = ["# Validation perplexity under failures (the paper's Table 3, at our scale)\n",
-             f"Embedded Shakespeare+Milton corpus, base config `experiments/configs/{index['base_config']}.toml`, "
-             f"global batch fixed and split over n ranks; perplexity = {evaluation_words(index)}; mean ± std over "
-             "seeds (seeds column); change relative to failure-free at the same n, paired by seed.\n"]
-    for n, g in rel[rel["n"] == n_main].groupby("n"):  # the n-sweep: sweep_n.md
-        lines += [f"\n## n = {n}\n", "| policy | " + " | ".join(LEVELS) + " |", "|---|" + "---|" * len(LEVELS)]
-        if g[g["level"] == "none"].empty:
-            lines.append("(no failure-free run at this n)")
-            continue
-        none = g[g["level"] == "none"].iloc[0]
-        for policy in sorted(set(g["policy"]) - {"none"}):
-            cells = [fmt(none["ppl_mean"], none["ppl_std"])]
-            for level in LEVELS[1:]:
-                r = g[(g["level"] == level) & (g["policy"] == policy)]
-                cells.append("" if r.empty else f"{fmt(r.iloc[0]['ppl_mean'], r.iloc[0]['ppl_std'])} "
-                             f"({r.iloc[0]['rel_mean']:+.2f}%, {r.iloc[0]['seeds']} seed{'s' if r.iloc[0]['seeds'] > 1 else ''})")
-            lines.append(f"| {policy} | " + " | ".join(cells) + " |")
-    t3 = PAPER["table3_val_ppl"]
-    lines += ["\n## The paper's Table 3 (C4 validation perplexity, MeCeFO)\n", f"Source: {t3['source']}.\n",
-              "| model | " + " | ".join(t3["levels"]) + " | high vs none |", "|---|" + "---|" * (len(t3["levels"]) + 1)]
-    for name, vals in t3["rows"].items():
-        lines.append(f"| {name} | " + " | ".join(f"{v:.2f}" for v in vals) + f" | {100 * (vals[-1] / vals[0] - 1):+.2f}% |")
-    lines.append(f"\nSource of our numbers: results/sweep/index-{index['profile']}.json, commit `{index['git_commit'][:12]}`.\n")
+             f"Embedded Shakespeare+Milton corpus, base config `experiments/configs/{t3['base_config']}.toml`, n = {n}, "
+             f"global batch fixed and split over n ranks; perplexity = {evaluation_words(t3)}; mean ± sd over seeds "
+             f"{', '.join(map(str, seeds))} (the seeds every cell ran; paired changes with all seeds: README, Results).\n",
+             "| policy | " + " | ".join(LEVELS) + " |", "|---|" + "---|" * len(LEVELS)]
+    none = main[main["level"] == "none"]["val_ppl"]
+    for policy in sorted(set(main["policy"]) - {"none"}):
+        cells = [f"{none.mean():.2f} ± {none.std(ddof=1):.2f}" if len(none) > 1 else f"{none.mean():.2f}"]
+        for level in LEVELS[1:]:
+            r = main[(main["level"] == level) & (main["policy"] == policy)]["val_ppl"]
+            cells.append("" if r.empty else f"{r.mean():.2f}" + (f" ± {r.std(ddof=1):.2f}" if len(r) > 1 else ""))
+        lines.append(f"| {name(policy)} | " + " | ".join(cells) + " |")
+    paper = paper_numbers()["table3_val_ppl"]
+    lines += ["\n## The paper's Table 3 (C4 validation perplexity, MeCeFO)\n", f"Source: {paper['source']}.\n",
+              "| model | " + " | ".join(paper["levels"]) + " | high vs none |", "|---|" + "---|" * (len(paper["levels"]) + 1)]
+    for model, vals in paper["rows"].items():
+        lines.append(f"| {model} | " + " | ".join(f"{v:.2f}" for v in vals) + f" | {100 * (vals[-1] / vals[0] - 1):+.2f}% |")
+    lines.append(f"\nSource of our numbers: results/sweep/table3-{'quick' if 'quick' in t3['indices'] else 'default'}.json, "
+                 f"commit `{t3['git_commit'][:12]}`.\n")
     return "\n".join(lines)
 
 
-def mark_warm_start(ax, index: dict) -> None:
-    k = load_config(index["base_config"]).cluster.failure_free_steps
+def mark_warm_start(ax, t3: dict) -> None:
+    k = t3["resolved_base_config"]["cluster"]["failure_free_steps"]
     if k:
         ax.axvline(k, color="grey", ls=":", lw=1)
-        ax.annotate("failures start", (k, 0.98), xycoords=("data", "axes fraction"), fontsize=7, ha="left", va="top")
+        ax.annotate("failures start", (k, 0.02), xycoords=("data", "axes fraction"), xytext=(3, 0),
+                    textcoords="offset points", fontsize=7, ha="left", va="bottom")
 
 
-def curves(df: pd.DataFrame, n: int, index: dict):
-    rows = []
+def curves(df: pd.DataFrame, t3: dict):
+    n, rows = t3["n"], []
     main = df[(df["tag"] == "main") & (df["n"] == n) & df["policy"].isin(["none", "mecefo", "drop"])]
     for _, c in main.iterrows():
         for m in read_jsonl(RESULTS / c["run"] / "metrics.jsonl"):
             if m.get("val_loss") is not None and not m.get("replay"):
-                rows.append({"level": c["level"], "policy": "failure-free" if c["policy"] == "none" else c["policy"],
-                             "seed": c["seed"], "step": m["step"], "val_loss": m["val_loss"]})
+                rows.append({"level": c["level"], "policy": name(c["policy"]), "seed": c["seed"], "step": m["step"],
+                             "val_loss": m["val_loss"]})
     data = pd.DataFrame(rows)
     data = data[data["step"] >= data["step"].max() * 0.2]  # the early drop dwarfs the differences
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     sns.lineplot(data, x="step", y="val_loss", hue="level", hue_order=[lvl for lvl in LEVELS if lvl in set(data["level"])],
                  style="policy", errorbar="sd", ax=ax)
     ax.set(title=f"Validation loss, n = {n} (mean ± sd over seeds)", ylabel="validation loss")
-    mark_warm_start(ax, index)
+    mark_warm_start(ax, t3)
     return fig
 
 
-def ppl_vs_level(df: pd.DataFrame, n: int):
-    """The paired change of each policy against failure-free training per failure level, with its 95% interval
-    (a level's seeds differ from another's, so raw means across levels would not compare like with like)."""
+def row(t3: dict, row_id: str) -> dict | None:
+    return next((r for r in t3["rows"] if r["id"] == row_id), None)
+
+
+def main_id(level: str, a: str, b: str) -> str:
+    sel = lambda lvl, p: f"main:{lvl}:{p}:mecefo"  # noqa: E731
+    return f"{sel(level, a)}/{sel('none' if b == 'none' else level, b)}"
+
+
+def ppl_vs_level(t3: dict):
+    """The paired change of each policy against failure-free training per failure level with its 95% interval
+    (pooled noise), beside the paper's range (its rounding included)."""
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
-    levels = [lvl for lvl in LEVELS[1:] if lvl in set(df["level"])]
+    levels = [lvl for lvl in LEVELS[1:] if any(row(t3, main_id(lvl, p, "none")) for p in ("mecefo", "drop"))]
     for k, policy in enumerate(("mecefo", "drop", "spread-mecefo")):
-        xs, means, lows, highs = [], [], [], []
-        for i, lvl in enumerate(levels):
-            r = paired(df, n, lvl, policy, "none")
-            if r is None:
-                continue
-            lo, hi = r.ci if np.isfinite(r.ci[0]) else (r.mean, r.mean)
-            xs.append(i + (k - 1) * 0.12)
-            means.append(r.mean)
-            lows.append(r.mean - lo)
-            highs.append(hi - r.mean)
-        if xs:
-            ax.errorbar(xs, means, yerr=[lows, highs], fmt="o-", capsize=3, label=policy)
-    paper = PAPER["table3_val_ppl"]["rows"]
+        pts = [(i + (k - 1) * 0.14, r) for i, lvl in enumerate(levels) if (r := row(t3, main_id(lvl, policy, "none")))]
+        if pts:
+            ax.errorbar([x for x, _ in pts], [r["mean"] for _, r in pts], capsize=3, fmt="o", label=name(policy),
+                        yerr=[[r["mean"] - r["ci"][0] for _, r in pts], [r["ci"][1] - r["mean"] for _, r in pts]])
     for i, lvl in enumerate(levels):
-        vals = [100 * (v[LEVELS.index(lvl)] / v[0] - 1) for v in paper.values()]
-        ax.fill_between([i - 0.3, i + 0.3], min(vals), max(vals), color="grey", alpha=0.3, lw=0,
-                        label="paper, MeCeFO (350M-7B)" if i == 0 else None)
+        if lvl in t3["paper"]:
+            lo, hi = t3["paper"][lvl]["with_rounding"]
+            ax.fill_between([i - 0.35, i + 0.35], lo, hi, color="grey", alpha=0.3, lw=0,
+                            label="paper, MeCeFO, 350M-7B (with rounding)" if i == 0 else None)
     ax.axhline(0, color="k", lw=0.8)
     ax.set_xticks(range(len(levels)), levels)
     ax.set(xlabel="failure level", ylabel="change of val ppl vs failure-free (%)",
-           title=f"Paired change, n = {n} (95% t-intervals)")
-    ax.legend(fontsize=7)
+           title=f"Paired change, n = {t3['n']} (95% intervals, pooled noise)")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: clear of the intervals
     return fig
 
 
-# ------------------------------------------------------------------------------------ paired comparisons
-# A row of the results: (label, a, b), each side a selector of runs (tag, level, policy, techniques) at
-# the main n; a's perplexity against b's, paired by seed.
-NONE = ("main", "none", "none", "mecefo")
-
-
-def runs(df: pd.DataFrame, n: int, tag: str, level: str, policy: str, techniques: str = "mecefo") -> pd.Series:
-    sel = df[(df["tag"] == tag) & (df["n"] == n) & (df["level"] == level) & (df["policy"] == policy)
-             & (df["techniques"] == techniques)]
-    return sel.set_index("seed")[METRIC]
-
-
-def paired_of(df: pd.DataFrame, n: int, a: tuple, b: tuple) -> Paired | None:
-    x, y = runs(df, n, *a), runs(df, n, *b)
-    seeds = sorted(set(x.index) & set(y.index))
-    return paired_relative_change(x[seeds], y[seeds]) if seeds else None
-
-
-def paired(df: pd.DataFrame, n: int, level: str, a: str, b: str) -> Paired | None:
-    """a's perplexity against b's at (n, level) in the main cells, paired by seed (b = 'none': failure-free)."""
-    return paired_of(df, n, ("main", level, a, "mecefo"), NONE if b == "none" else ("main", level, b, "mecefo"))
-
-
-COMPARISONS = [("mecefo", "none"), ("drop", "none"), ("mecefo", "drop"), ("spread-mecefo", "none")]
-
-
-def name(policy: str) -> str:
-    return "failure-free" if policy == "none" else policy
-
-
-def rows_of(df: pd.DataFrame, index: dict) -> list[tuple[str, str, tuple, tuple]]:
-    """Every paired row of the results table: (row, comparison, a, b)."""
-    out = [(lvl, f"{name(a)} − {name(b)}", ("main", lvl, a, "mecefo"), NONE if b == "none" else ("main", lvl, b, "mecefo"))
-           for lvl in LEVELS[1:] if lvl in set(df["level"]) for a, b in COMPARISONS]
-    asym = df[df["tag"] == "asymmetric"]
-    if not asym.empty:
-        first, last = asym.iloc[0]["failable"].split(",")[0], asym.iloc[0]["failable"].split(",")[-1]
-        label = f"high, asymmetric (only ranks {first}-{last} fail)"
-        out += [(label, f"{p} − failure-free", ("asymmetric", "high", p, "mecefo"), NONE) for p in ("mecefo", "drop")]
-        out += [(label, "mecefo − drop", ("asymmetric", "high", "mecefo", "mecefo"), ("asymmetric", "high", "drop", "mecefo"))]
-    high = failures.SCENARIOS["high"]
-    for spec in sorted(set(df[df["tag"] == "frequency"]["level"]), key=lambda s: -failures.scenario(s).interval_h):
-        sc = failures.scenario(spec)
-        label = (f"high x{high.interval_h / sc.interval_h:g} frequency (Table 1 interval {sc.interval_h:g} h, "
-                 f"recovery {sc.recovery_h:g} h)")
-        out += [(label, f"{p} − failure-free", ("frequency", spec, p, "mecefo"), NONE) for p in ("mecefo", "drop")]
-        out += [(label, "mecefo − drop", ("frequency", spec, "mecefo", "mecefo"), ("frequency", spec, "drop", "mecefo"))]
-    return out
-
-
-def figure3_rows(df: pd.DataFrame) -> list[tuple[str, str, tuple, tuple]]:
-    att, ffn = ("fig3", "high", "mecefo", "skip_attention"), ("fig3", "high", "mecefo", "skip_ffn")
-    return [("high", "skip attention − failure-free", att, NONE), ("high", "skip FFN − failure-free", ffn, NONE),
-            ("high", "skip attention − skip FFN", att, ffn)]
-
-
-def paired_table(df: pd.DataFrame, n: int, rows: list | None = None) -> list[str]:
-    lines = ["| row | comparison | change of val ppl (95% interval) | verdict | seeds | seeds for ±1 |",
-             "|---|---|---|---|---|---|"]
-    for label, what, a, b in (rows_of(df, {}) if rows is None else rows):
-        r = paired_of(df, n, a, b)
-        if r is None:
-            continue
-        ci = "" if not np.isfinite(r.ci[0]) else f" [{r.ci[0]:+.2f}, {r.ci[1]:+.2f}]"
-        need = seeds_needed(r.sd)
-        lines.append(f"| {label} | {what} | {r.mean:+.2f}%{ci} | {verdict_word(r.ci)} | {r.pairs} | {need if need else '—'} |")
-    return lines
-
-
-def n_sweep(df: pd.DataFrame) -> pd.DataFrame:
-    """Per n: mecefo's and drop's change at high failures against failure-free training at n = 1 (seed 0; the
-    same samples at every n), the reference of every n alike."""
-    main, rows = df[(df["tag"] == "main") & (df["seed"] == 0)], []
-    ref = main[(main["level"] == "none")].set_index("n")[METRIC]
-    for n in sorted(main["n"].unique()):
-        at = main[main["n"] == n].set_index(["level", "policy"])[METRIC]
-        row = {"n": int(n), "failure-free ppl": ref.get(1, np.nan)}
-        for p in ("mecefo", "drop"):
-            row[f"{p} − failure-free (%)"] = 100 * (at.get(("high", p), np.nan) / row["failure-free ppl"] - 1)
-        rows.append(row)
-    return pd.DataFrame(rows)
-
-
-def n_sweep_markdown(table: pd.DataFrame) -> str:
-    cols = list(table.columns)
+def n_sweep_markdown(t3: dict) -> str:
     lines = ["# n-sweep at a fixed global batch, high failures, seed 0\n",
-             "Every n against failure-free training at n = 1 (the same samples at every n).\n", "| " + " | ".join(cols) + " |", "|---" * len(cols) + "|"]
-    lines += ["| " + " | ".join(str(int(r[c])) if c == "n" else f"{r[c]:.2f}" for c in cols) + " |" for _, r in table.iterrows()]
+             "Every n against failure-free training at n = 1 (the same samples at every n); one seed per n, and the "
+             "failure schedule differs between n (its seed depends on n): each point is one run, not a mean.\n",
+             "| n | failure-free ppl (n = 1) | mecefo − failure-free (%) | drop − failure-free (%) |", "|---|---|---|---|"]
+    f = lambda v: "" if v is None else f"{v:+.2f}"  # noqa: E731
+    lines += [f"| {r['n']} | {r['failure_free_ppl']:.2f} | {f(r['mecefo'])} | {f(r['drop'])} |" for r in t3["n_sweep"]
+              if r["failure_free_ppl"] is not None]
     return "\n".join(lines) + "\n"
 
 
-def n_sweep_figure(table: pd.DataFrame):
+def n_sweep_figure(t3: dict):
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
-    for p in ("mecefo", "drop"):
-        sub = table[table["n"] > 1]
-        ax.plot(sub["n"], sub[f"{p} − failure-free (%)"], marker="o", label=p)
+    rows = [r for r in t3["n_sweep"] if r["n"] > 1]
+    for k, p in enumerate(("mecefo", "drop")):
+        pts = [(r["n"] * (1 + 0.04 * (2 * k - 1)), r[p]) for r in rows if r[p] is not None]
+        ax.plot([x for x, _ in pts], [y for _, y in pts], "o", label=f"{p} (one run per n)")
     ax.axhline(0, color="k", lw=0.8)
     ax.set(xscale="log", xlabel="data-parallel ranks n (global batch fixed)", ylabel="change of val ppl (%)",
            title="n-sweep, high failures, seed 0")
-    ax.set_xticks(table["n"][table["n"] > 1], [str(v) for v in table["n"][table["n"] > 1]])
-    ax.legend()
+    plain_log_ticks(ax.xaxis, [r["n"] for r in rows])
+    ax.legend(fontsize=8)
     return fig
 
 
-def figure3(df: pd.DataFrame, n: int, index: dict):
+def figure3(df: pd.DataFrame, t3: dict):
     """Figure 3 analog: training-loss curves (20-step mean, mean ± sd over seeds) and the paired change of
     the perplexity with its 95% interval, skip attention vs skip FFN on the neighbour."""
+    n = t3["n"]
     fig3 = df[(df["tag"] == "fig3") & (df["n"] == n)]
     if fig3.empty:
         return None
@@ -268,38 +175,39 @@ def figure3(df: pd.DataFrame, n: int, index: dict):
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.6), gridspec_kw={"width_ratios": [3, 2]})
     sns.lineplot(pd.DataFrame(rows), x="step", y="train loss", hue="variant", errorbar="sd", ax=ax)
     ax.set(title=f"Figure 3 analog: n = {n}, high failures (20-step mean)")
-    mark_warm_start(ax, index)
-    labels, means, halves = [], [], []
-    for _, what, a, b in figure3_rows(df):
-        r = paired_of(df, n, a, b)
-        if r is not None:
-            labels.append(what.replace(" − ", "\n− "))
-            means.append(r.mean)
-            halves.append(r.ci[1] - r.mean if np.isfinite(r.ci[1]) else 0.0)
-    bx.errorbar(range(len(means)), means, yerr=halves, fmt="o", capsize=4)
+    mark_warm_start(ax, t3)
+    bars = [r for r in t3["rows"] if r["figure3"]]
+    bx.errorbar(range(len(bars)), [r["mean"] for r in bars], capsize=4, fmt="o",
+                yerr=[[r["mean"] - r["ci"][0] for r in bars], [r["ci"][1] - r["mean"] for r in bars]])
     bx.axhline(0, color="k", lw=0.8)
-    bx.set_xticks(range(len(labels)), labels, fontsize=7)
-    bx.set(ylabel="change of val ppl (%), 95% interval", title="paired by seed")
+    bx.set_xticks(range(len(bars)), [r["comparison"].replace(" − ", "\n− ") for r in bars], fontsize=7)
+    bx.set(ylabel="change of val ppl (%), 95% interval", title="paired by seed (pooled noise)")
     return fig
 
 
-def power_figure(df: pd.DataFrame, n: int):
-    """95% interval half-width of each paired comparison at the high level against the number of seeds,
-    from the measured seed-to-seed standard deviation."""
-    ks = np.arange(2, 65)
+def power_figure(t3: dict):
+    """The distance from a decision boundary that a word needs (replication half-width, mecefo.stats.decide)
+    against the number of seeds, at the pooled sd and at its upper bound; beside it, how far each high-level
+    mean lies from 0."""
+    noise, ks = t3["noise"], np.arange(2, 65)
+    t, z = sps.t.ppf(0.5 + t3["level"] / 2, noise["df"]), sps.norm.ppf(t3["agree"])
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
-    for a, b in COMPARISONS:
-        r = paired(df, n, "high", a, b)
-        if r is not None and np.isfinite(r.sd):
-            ax.plot(ks, [interval_half_width(r.sd, k) for k in ks], label=f"{a} − {name(b)} (sd {r.sd:.2f}, {r.pairs} seeds)")
-    ax.axhline(1.0, color="k", ls="--", lw=1, label="target ±1 point")
-    ax.set(xlabel="seeds", ylabel="95% half-width (points of ppl, %)", yscale="log", title=f"Power curve, n = {n}, high failures")
-    ax.legend(fontsize=7)
+    for sd, label, ls in ((noise["sd"], f"pooled sd {noise['sd']:.2f} ({noise['df']} df)", "-"),
+                          (noise["upper"], f"its 95% upper bound {noise['upper']:.2f}", "--")):
+        ax.plot(ks, (t + z * np.sqrt(2)) * sd / np.sqrt(ks), ls=ls, color="k", label=label)
+    for (a, b), color in zip((("mecefo", "none"), ("drop", "none"), ("mecefo", "drop")), sns.color_palette()):
+        r = row(t3, main_id("high", a, b))
+        if r is not None:
+            ax.axhline(abs(r["mean"]), color=color, ls=":", label=f"|{name(a)} − {name(b)}| at high ({r['pairs']} seeds)")
+    ax.set(xlabel="seeds", ylabel="distance a word needs (points of %)", yscale="log",
+           title=f"Seeds a verdict needs, n = {t3['n']}")
+    plain_log_ticks(ax.yaxis)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return fig
 
 
 def trajectory_spread(df: pd.DataFrame, n: int) -> str:
-    ff = df[(df["tag"] == "main") & (df["level"] == "none") & (df["seed"] == 0)].set_index("n")[METRIC]
+    ff = df[(df["tag"] == "main") & (df["level"] == "none") & (df["seed"] == 0)].set_index("n")["val_ppl"]
     if 1 not in ff.index or n not in ff.index or n == 1:
         return ""
     change = 100 * (ff[n] / ff[1] - 1)
@@ -311,83 +219,102 @@ def trajectory_spread(df: pd.DataFrame, n: int) -> str:
             f"sums differs): {change:+.2f}%, the trajectory's own sensitivity to a perturbation of rounding size.")
 
 
-def against_paper(df: pd.DataFrame, n: int, paper: dict[str, list[float]]) -> str:
-    """Where our interval of MeCeFO - failure-free lies against the paper's range, per level."""
-    parts = []
-    for lvl, v in paper.items():
-        r = paired(df, n, lvl, "mecefo", "none")
-        if r is None or not np.isfinite(r.ci[0]):
-            continue
-        lo, hi = min(v), max(v)
-        where = ("above the paper's range" if r.ci[0] > hi else "below the paper's range" if r.ci[1] < lo
-                 else "overlapping the paper's range")
-        parts.append(f"{lvl} [{r.ci[0]:+.2f}, {r.ci[1]:+.2f}]% ({where})")
-    return ("Ours, MeCeFO − failure-free: " + "; ".join(parts) + ".") if parts else ""
+def against_paper(t3: dict) -> str:
+    parts = [f"{lvl} [{p['ours_ci'][0]:+.2f}, {p['ours_ci'][1]:+.2f}]% against the paper's +{p['printed'][0]:.2f} .. "
+             f"+{p['printed'][1]:.2f}% (+{p['with_rounding'][0]:.2f} .. +{p['with_rounding'][1]:.2f}% with its two-decimal "
+             f"rounding): {p['where']}" for lvl, p in t3["paper"].items()]
+    return ("MeCeFO − failure-free, ours against the paper's range over 350M-7B: " + "; ".join(parts) + ".") if parts else ""
 
 
-def spread_words(index: dict, n: int) -> str:
-    if load_config(index["base_config"]).data.micro_batch_size // n > 1:
+def spread_words(t3: dict) -> str:
+    n = t3["n"]
+    if t3["resolved_base_config"]["data"]["micro_batch_size"] // n > 1:
         return ""
     return ("\nAt n = " + str(n) + " a rank holds one sequence, which spread-mecefo cannot split by rows: it gives each "
             "failed rank's sequence to one survivor, with the techniques on that extra sequence only (MeCeFO's "
             "neighbour applies them to both of its sequences), so its row is a lighter MeCeFO, not a spread.")
 
 
-def evaluation_words(index: dict) -> str:
-    cfg = load_config(index["base_config"])
-    windows = "the whole validation split" if cfg.data.val_windows == 0 else f"{cfg.data.val_windows} validation windows"
-    return (f"exp of the mean loss on {windows} over the last {index.get('last_evaluations', 1)} evaluations, "
-            f"every {cfg.train.eval_every} steps")
+def evaluation_words(t3: dict) -> str:
+    cfg = t3["resolved_base_config"]
+    windows = "the whole validation split" if cfg["data"]["val_windows"] == 0 else f"{cfg['data']['val_windows']} validation windows"
+    last = next(iter(t3["indices"].values())).get("last_evaluations", 1)
+    return f"exp of the mean loss on {windows} over the last {last} evaluations, every {cfg['train']['eval_every']} steps"
 
 
-def results_section(df: pd.DataFrame, index: dict, n: int, table: pd.DataFrame) -> str:
-    """The README's results paragraph, from the numbers only: paired changes with intervals and verdicts."""
-    t3 = PAPER["table3_val_ppl"]["rows"]
-    paper = {lvl: [100 * (v[i] / v[0] - 1) for v in t3.values()] for i, lvl in enumerate(LEVELS) if i}
-    wall = sum(c.get("wall_time_s", 0.0) for c in index["cells"]) / 60
-    lines = [f"{index['profile'].capitalize()} CPU sweep ({len(index['cells'])} runs, {wall:.0f} min of training, commit "
-             f"`{index['git_commit'][:12]}`; base config `experiments/configs/{index['base_config']}.toml`; tables and "
-             f"figures in `paper_figures/out/sweep_*`). Change of the validation perplexity ({evaluation_words(index)}) at "
-             f"n = {n}, paired "
-             "by seed (same initialisation, data order and failure schedule), with its 95% t-interval; the verdict "
-             "is computed from the interval (equal within ±1 point, better, worse, or unresolved); 'seeds for ±1' is "
-             "the power curve read at a half-width of 1 point:\n",
-             *paired_table(df, n),
+def paired_table(t3: dict, figure3_rows: bool = False) -> list[str]:
+    lines = ["| row | comparison | change of val ppl (95% interval) | verdict | seeds (profile) | seeds a verdict needs |",
+             "|---|---|---|---|---|---|"]
+    for r in (r for r in t3["rows"] if r["figure3"] == figure3_rows):
+        word = r["word"] + ("" if r["word_family"] == r["word"] else f" (family-wise: {r['word_family']})")
+        need = f"{r['seeds_needed']} (for '{r['needed_for']}')" if r["seeds_needed"] else "more than 10,000"
+        lines.append(f"| {r['group']} | {r['comparison']} | {r['mean']:+.2f}% [{r['ci'][0]:+.2f}, {r['ci'][1]:+.2f}] | "
+                     f"{word} | {r['pairs']} ({r['profile']}) | {need} |")
+    return lines
+
+
+def resolution_words(t3: dict) -> str:
+    """What deciding the paper's low and mid effects would take, at the pooled noise's upper bound."""
+    noise = t3["noise"]
+    t, z = sps.t.ppf(0.5 + t3["level"] / 2, noise["df"]), sps.norm.ppf(t3["agree"])
+    parts = []
+    for lvl in ("low", "mid"):
+        if lvl in t3["paper"]:
+            lo, hi = t3["paper"][lvl]["printed"]
+            k = int(np.ceil(((t + z * np.sqrt(2)) * noise["upper"] / (t3["tolerance"] - hi)) ** 2))
+            parts.append(f"{lvl} (+{lo:.2f} .. +{hi:.2f}%): 'equal within ±{t3['tolerance']:g}' needs {k} seeds per row, "
+                         f"a direction at +{lo:.2f}% needs {int(np.ceil(((t + z * np.sqrt(2)) * noise['upper'] / lo) ** 2))}")
+    return ("If the paper's effects held here, deciding them would take: " + "; ".join(parts) +
+            " (two runs per seed, ~75 s per run on 2 cores).") if parts else ""
+
+
+def results_section(df: pd.DataFrame, t3: dict) -> str:
+    """The README's results paragraph, from results/sweep/table3-*.json only."""
+    n, noise, cfg = t3["n"], t3["noise"], t3["resolved_base_config"]
+    params = count_parameters(preset(cfg["model"]["preset"], vocab_size=cfg["data"]["vocab_size"]))
+    decided = [r for r in t3["rows"] if not r["word"].startswith("not decided")]
+    family = [r for r in decided if r["word_family"] == r["word"]]
+    ws = t3["warm_start"]
+    profiles = ", ".join(f"{p}: {m['runs']} runs, commit `{(m['git_commit'] or '')[:12]}`" for p, m in t3["indices"].items())
+    lines = [f"Table 3 at our scale: `{cfg['model']['preset']}` ({params / 1e6:.2f}M parameters), {cfg['train']['steps']} steps, "
+             f"n = {n} ranks, global batch {cfg['data']['micro_batch_size']} x {cfg['data']['seq_len']} tokens; the first "
+             f"{ws['steps']} steps failure-free (a warm start every policy of a seed shares; they carry "
+             f"{100 * ws['lr_weighted_share']:.0f}% of the learning-rate-weighted updates), then "
+             f"{t3['failure_hours']:.1f} h of failures per run (the paper does not state its runs' hours). Sweep indices "
+             f"read ({profiles}); every row uses all the seeds they hold and names the profile they come from. Change of "
+             f"the validation perplexity ({evaluation_words(t3)}), paired by seed (same initialisation, data order and "
+             "failure schedule), with its 95% interval from the pooled seed-to-seed noise (one sd for every row: "
+             f"{noise['sd']:.2f} points per paired difference, {noise['df']} df, 95% upper bound {noise['upper']:.2f}; "
+             "`mecefo.stats.block_noise`). A verdict word is printed only where a rerun on another machine (new rounding, "
+             f"in effect new draws of every seed) would print it too with probability >= {100 * t3['agree']:.0f}% "
+             "(`mecefo.stats.decide`); 'seeds a verdict needs' is where the current mean would decide a word at the "
+             "sd's upper bound:\n",
+             *paired_table(t3),
              "\nFigure 3 analog (the neighbour skips attention or the FFN in its backward pass), same pairing:\n",
-             *paired_table(df, n, figure3_rows(df)),
-             "\nThe paper's MeCeFO change against failure-free (350M-7B): "
-             + ", ".join(f"{lvl} +{min(v):.2f} .. +{max(v):.2f}%" for lvl, v in paper.items()) + ". "
-             + against_paper(df, n, paper),
-             "", trajectory_spread(df, n), spread_words(index, n)]
+             *paired_table(t3, True), "",
+             f"Multiplicity: {t3['family']} intervals at 95% each; {len(family)} of the {len(decided)} printed words also hold "
+             f"at a family-wise 95% (Bonferroni over the {t3['family']} rows; the others say their family-wise word).",
+             "", against_paper(t3), "", resolution_words(t3), "", trajectory_spread(df, n), spread_words(t3)]
     return "\n".join(lines).rstrip() + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    group = parser.add_mutually_exclusive_group()
-    group.add_argument("--quick", action="store_true")
-    group.add_argument("--long", action="store_true")
-    args = parser.parse_args(argv)
-    profile = "quick" if args.quick else "long" if args.long else "default"
-    df, index = load(profile)
-    n = int(index.get("design", {}).get("n", df["n"].max()))
-    suffix = "" if profile != "long" else "_long"
+    profile = "quick" if quick_flag(argv, __doc__) else "default"
+    df, t3 = load(profile)
     committed = profile == "default"
     style()
-    table = n_sweep(df)
-    paths = [write_table(f"sweep_table3{suffix}", table_markdown(relative_table(df), index, n)),
-             write_table(f"sweep_n{suffix}", n_sweep_markdown(table))]
-    paths += save_figure(curves(df, n, index), f"sweep_val_loss_curves{suffix}")
-    paths += save_figure(ppl_vs_level(df, n), f"sweep_ppl_vs_level{suffix}", committed)
-    paths += save_figure(n_sweep_figure(table), f"sweep_n{suffix}", committed)
-    fig = figure3(df, n, index)
+    paths = [write_table("sweep_table3", table_markdown(df, t3)), write_table("sweep_n", n_sweep_markdown(t3))]
+    paths += save_figure(curves(df, t3), "sweep_val_loss_curves")
+    paths += save_figure(ppl_vs_level(t3), "sweep_ppl_vs_level", committed)
+    paths += save_figure(n_sweep_figure(t3), "sweep_n", committed)
+    fig = figure3(df, t3)
     if fig is not None:
-        paths += save_figure(fig, f"sweep_figure3_skip_attention_vs_ffn{suffix}", committed)
-    paths += save_figure(power_figure(df, n), f"sweep_power_curve{suffix}", committed)
-    section = results_section(df, index, n, table)
-    paths.append(write_table(f"results_section{suffix}", section))
+        paths += save_figure(fig, "sweep_figure3_skip_attention_vs_ffn", committed)
+    paths += save_figure(power_figure(t3), "sweep_power_curve", committed)
+    section = results_section(df, t3)
+    paths.append(write_table("results_section", section))
     if profile != "quick":
-        paths.append(update_readme("results" if profile == "default" else "results-long", section))
+        paths.append(update_readme("results", section))
     for p in paths:
         print(f"wrote {p}")
     return 0

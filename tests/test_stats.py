@@ -109,8 +109,8 @@ def test_relative_error():
     assert relative_error(np.array([2.0]), np.array([2.0])) == 0.0
 
 
-def test_paired_relative_change_and_its_verdict():
-    from mecefo.stats import interval_half_width, paired_relative_change, verdict_word
+def test_paired_relative_change():
+    from mecefo.stats import interval_half_width, paired_relative_change
 
     a, b = [101.0, 102.0, 103.0, 101.5], [100.0, 100.0, 100.0, 100.0]
     p = paired_relative_change(a, b)
@@ -119,30 +119,88 @@ def test_paired_relative_change_and_its_verdict():
     half = 3.182446305284263 * d.std(ddof=1) / 2  # t_{3, 0.975}
     assert p.ci == pytest.approx((d.mean() - half, d.mean() + half))
     assert interval_half_width(p.sd, 4) == pytest.approx(half)
+    assert interval_half_width(1.0, 4, df=30) < interval_half_width(1.0, 4)  # a pooled sd's df narrows t
     assert interval_half_width(1.0, 100) < interval_half_width(1.0, 10) < interval_half_width(1.0, 3)
-    assert verdict_word(p.ci) == "worse"
-    assert verdict_word((-0.5, 0.8)) == "equal within ±1" and verdict_word((-3.0, -1.5)) == "better"
-    assert verdict_word((-2.0, 0.5)) == "unresolved"
-    assert verdict_word(paired_relative_change([1.0], [2.0]).ci) == "unresolved"
 
 
-def test_sweep_pairs_by_seed_and_reads_the_power_curve():
-    import pandas as pd
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.floats(-1.5, 1.5), min_size=2, max_size=8), st.floats(-2.0, 2.0), st.floats(1.0, 2.0))
+def test_block_noise_with_two_configurations_is_the_sd_of_the_paired_log_differences(noise, shift, base):
+    """Two configurations on S seeds: the additive model's residual, times sqrt 2, is the sample sd of the paired
+    differences of 100 ln ppl (an independent computation), with S - 1 df; its upper bound lies above it."""
+    from mecefo.stats import block_noise
 
-    from mecefo.stats import seeds_needed
-    from paper_figures.sweep import paired, paired_table
+    seeds = range(len(noise))
+    a = [base * 10 + s for s in seeds]
+    b = [v * np.exp((shift + e) / 100) for v, e in zip(a, noise)]
+    d = 100 * (np.log(b) - np.log(a))
+    if d.std(ddof=1) < 1e-6:
+        return
+    got = block_noise([("a", s, a[s]) for s in seeds] + [("b", s, b[s]) for s in seeds])
+    assert got.df == len(noise) - 1 and got.runs == 2 * len(noise)
+    assert got.sd == pytest.approx(d.std(ddof=1), rel=1e-6) and got.upper > got.sd
 
-    rows = [{"tag": "main", "n": 8, "level": "none", "policy": "none", "seed": s, "val_ppl": 100.0 + s} for s in range(3)]
-    rows += [{"tag": "main", "n": 8, "level": "high", "policy": "mecefo", "seed": s, "val_ppl": (100.0 + s) * 1.02}
-             for s in (2, 0, 1)]  # another order: pairing is by seed
-    rows += [{"tag": "fig3", "n": 8, "level": "high", "policy": "mecefo", "seed": 0, "val_ppl": 50.0, "techniques": "skip_ffn"}]
-    df = pd.DataFrame(rows).fillna({"techniques": "mecefo"})
-    r = paired(df, 8, "high", "mecefo", "none")
-    assert r.pairs == 3 and r.mean == pytest.approx(2.0) and r.sd == pytest.approx(0.0, abs=1e-9)
-    assert paired(df, 8, "high", "drop", "none") is None
-    assert "worse" in "\n".join(paired_table(df, 8)) or "equal" in "\n".join(paired_table(df, 8))
-    assert seeds_needed(float("nan")) is None and seeds_needed(1.0) == 7  # t_{6} / sqrt(7) = 0.92 <= 1
-    assert paired(df[df["tag"] == "main"], 8, "high", "mecefo", "none") == r  # the Figure 3 run is not a main cell
+
+def test_block_noise_pools_every_configuration_and_refuses_no_residual():
+    from mecefo.stats import block_noise
+
+    rng = np.random.default_rng(0)
+    truth = 0.8  # sd of one paired difference: s_e = 0.8 / sqrt 2
+    runs = [(c, s, float(np.exp((10 * c + s + rng.normal(0, truth / np.sqrt(2))) / 100))) for c in range(6) for s in range(40)]
+    got = block_noise(runs)
+    assert got.df == 240 - 6 - 40 + 1 and got.sd == pytest.approx(truth, rel=0.1)
+    runs.append((99, 0, 1.0))  # a configuration with one seed adds a run and a parameter, no df
+    assert block_noise(runs).df == got.df
+    with pytest.raises(ValueError, match="degrees of freedom"):
+        block_noise([("a", 0, 1.0), ("b", 0, 2.0)])
+
+
+def test_interval_words_never_hide_a_significant_difference():
+    from mecefo.stats import interval_word
+
+    assert interval_word(0.2, 0.9, 3) == "worse by less than 1 point"  # not "equal"
+    assert interval_word(-0.5, 0.8, 3) == "equal within ±1"
+    assert interval_word(1.2, 3.0, 3) == "worse by more than 1 point"
+    assert interval_word(0.5, 3.0, 3) == "worse" and interval_word(-3.0, -0.5, 3) == "better"
+    assert interval_word(-2.0, 0.5, 3) == "not decided with 3 seeds"
+    assert interval_word(-0.9, -0.1, 1) == "better by less than 1 point"
+
+
+def test_decide_reads_the_word_from_the_replication_interval():
+    from scipy import stats as sps
+
+    from mecefo.stats import Noise, decide
+
+    noise = Noise(sd=0.5, df=20, upper=0.7, level=0.95, runs=50)
+    v = decide(2.0, 3, noise)
+    t, z = sps.t.ppf(0.975, 20), sps.norm.ppf(0.95)
+    half, margin = t * 0.5 / np.sqrt(3), z * 0.5 * np.sqrt(2 / 3)
+    assert v.ci == pytest.approx((2.0 - half, 2.0 + half))
+    assert v.replication == pytest.approx((2.0 - half - margin, 2.0 + half + margin))
+    assert v.word == "worse" and v.needed_for == "worse"
+    assert decide(3.0, 3, noise).word == "worse by more than 1 point"
+    # a mean whose interval excludes 0 but whose replication interval does not: not decided
+    close = half + margin / 2
+    assert decide(close, 3, noise).ci[0] > 0 and decide(close, 3, noise).word == "not decided with 3 seeds"
+    assert decide(0.0, 4, noise).needed_for == "equal within ±1"
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.floats(-3.0, 3.0).filter(lambda m: abs(m) > 0.05 and abs(abs(m) - 1) > 0.05), st.floats(0.2, 2.0),
+       st.integers(3, 60))
+def test_the_seeds_a_verdict_needs_decide_it_at_the_upper_bound(mean, sd, df):
+    """At the seeds it names, a mean that stays where it is decides the word it names even with the sd at its
+    upper bound; one seed fewer does not."""
+    from mecefo.stats import Noise, decide
+
+    upper = Noise(sd * 1.3, df, sd * 1.3, 0.95, 0)
+    v = decide(mean, 2, Noise(sd, df, sd * 1.3, 0.95, 0))
+    if v.seeds_needed is None:
+        return
+    at = decide(mean, v.seeds_needed, upper).word
+    assert at.startswith(v.needed_for)
+    if v.seeds_needed > 1:
+        assert not decide(mean, v.seeds_needed - 1, upper).word.startswith(v.needed_for)
 
 
 def test_the_reported_perplexity_is_the_mean_loss_of_the_last_evaluations():

@@ -132,30 +132,102 @@ def paired_relative_change(a, b, level: float = 0.95) -> Paired:
     return Paired(float(d.mean()), (float(d.mean() - half), float(d.mean() + half)), sd, k)
 
 
-def interval_half_width(sd: float, k: int, level: float = 0.95) -> float:
+def interval_half_width(sd: float, k: int, level: float = 0.95, df: int | None = None) -> float:
     """Half-width of the t-interval of a mean of k pairs whose differences have standard deviation sd:
-    t_{k-1, (1+level)/2} sd / sqrt(k) (the power curve: how many seeds a target width needs)."""
-    return float(sps.t.ppf(0.5 + level / 2, k - 1) * sd / np.sqrt(k))
+    t_{df, (1+level)/2} sd / sqrt(k), with df = k - 1 unless the sd was pooled with another df."""
+    return float(sps.t.ppf(0.5 + level / 2, k - 1 if df is None else df) * sd / np.sqrt(k))
 
 
 def seeds_needed(sd: float, target: float = 1.0, level: float = 0.95) -> int | None:
-    """The fewest seeds (pairs) whose interval half-width at this sd is at most target (None: sd unknown or
-    more than 10,000 seeds)."""
+    """The fewest seeds (pairs) whose interval half-width at this sd is at most target (a precision target, used
+    by the variance decomposition; verdicts use decide). None: sd unknown or more than 10,000 seeds."""
     if not np.isfinite(sd):
         return None
     return next((k for k in range(2, 10_001) if interval_half_width(sd, k, level) <= target), None)
 
 
-def verdict_word(ci: tuple[float, float], tolerance: float = 1.0) -> str:
-    """From an interval of a change in ppl (lower is better): 'equal' if it lies within +-tolerance,
-    'better' / 'worse' if it excludes 0 on that side (and is not within the tolerance), else 'unresolved'."""
-    lo, hi = ci
-    if not (np.isfinite(lo) and np.isfinite(hi)):
-        return "unresolved"
-    if -tolerance <= lo and hi <= tolerance:
-        return f"equal within ±{tolerance:g}"
-    if hi < 0:
-        return "better"
-    if lo > 0:
-        return "worse"
-    return "unresolved"
+@dataclass(frozen=True)
+class Noise:
+    """The seed-to-seed noise of one paired difference (points of %), pooled over a randomised block design."""
+
+    sd: float  # sqrt(2) s_e: the sd of a difference of two configurations on one seed
+    df: int  # residual degrees of freedom of the pooled estimate
+    upper: float  # one-sided upper confidence bound of sd at `level`
+    level: float
+    runs: int
+
+
+def block_noise(runs: list[tuple[object, int, float]], level: float = 0.95) -> Noise:
+    """Pooled noise from (configuration, seed, ppl) triples. A seed is a block: its runs share the
+    initialisation, the data order and (across policies) the failure schedule. Model, y = 100 ln ppl:
+        y_{c,s} = mu_c + b_s + e_{c,s},   e iid N(0, s_e^2),
+    fitted by least squares; s_e^2 = RSS / df with df = N - rank(X) (configurations run with one seed add
+    nothing). A paired difference of two configurations on one seed then has sd sqrt(2) s_e, in points of %
+    to first order (100 (a/b - 1) = 100 ln(a/b) + O(change^2)). Upper bound: sd sqrt(df / chi2_{1-level, df})."""
+    configs = sorted({c for c, _, _ in runs}, key=str)
+    seeds = sorted({s for _, s, _ in runs})
+    x = np.zeros((len(runs), len(configs) + len(seeds)))
+    for i, (c, s, _) in enumerate(runs):
+        x[i, configs.index(c)] = x[i, len(configs) + seeds.index(s)] = 1.0
+    y = 100 * np.log(np.array([v for _, _, v in runs], dtype=np.float64))
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    df = len(runs) - int(np.linalg.matrix_rank(x))
+    if df < 1:
+        raise ValueError("no residual degrees of freedom: every configuration needs a second seed somewhere")
+    sd = float(np.sqrt(2 * np.sum((y - x @ coef) ** 2) / df))
+    return Noise(sd, df, float(sd * np.sqrt(df / sps.chi2.ppf(1 - level, df))), level, len(runs))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A paired comparison decided so that a rerun elsewhere (new rounding: in effect new draws of every seed)
+    would say the same. ci: mean -+ t_{df} sd / sqrt(k). A rerun's mean m' is predicted as N(m, 2 sd^2 / k)
+    (ours and the rerun's each carry sd^2 / k), so the word is read from the replication interval
+        mean -+ (t_{df} sd / sqrt(k) + z_{agree} sd sqrt(2 / k)):
+    a word it gives, a rerun's interval gives too with probability >= agree."""
+
+    mean: float
+    pairs: int
+    ci: tuple[float, float]
+    replication: tuple[float, float]
+    word: str
+    seeds_needed: int | None  # fewest seeds at which the current mean decides a word, at the sd's upper bound
+    needed_for: str  # the word those seeds would decide
+
+
+def interval_word(lo: float, hi: float, pairs: int, tolerance: float = 1.0) -> str:
+    """The word of an interval of a change in ppl (lower is better): the direction when it excludes 0, its size
+    against the tolerance when it lies within or beyond it. 'worse by less than 1 point' is a significant
+    degradation smaller than the tolerance, never hidden as 'equal'."""
+    direction = "worse" if lo > 0 else "better" if hi < 0 else ""
+    within, beyond = -tolerance <= lo and hi <= tolerance, lo > tolerance or hi < -tolerance
+    unit = f"{tolerance:g} point" + ("" if tolerance == 1 else "s")
+    if direction:
+        return f"{direction} by less than {unit}" if within else f"{direction} by more than {unit}" if beyond else direction
+    return f"equal within ±{tolerance:g}" if within else f"not decided with {pairs} seed{'s' if pairs != 1 else ''}"
+
+
+def decide(mean: float, pairs: int, noise: Noise, tolerance: float = 1.0, level: float = 0.95,
+           agree: float = 0.95, max_seeds: int = 10_000) -> Verdict:
+    """The verdict of a mean of `pairs` paired changes (points of %) under the pooled noise (see Verdict).
+    Seeds needed: the word is decided once its distance d from the boundary it must clear satisfies
+    d >= (t_{df} + z_{agree} sqrt 2) sd_upper / sqrt(k), i.e. k = ceil(((t + z sqrt 2) sd_upper / d)^2),
+    with d = |mean| for a direction and tolerance - |mean| for 'equal within'; the smaller of the two."""
+    t, z = sps.t.ppf(0.5 + level / 2, noise.df), sps.norm.ppf(agree)
+    half, margin = t * noise.sd / np.sqrt(pairs), z * noise.sd * np.sqrt(2 / pairs)
+    ci = (mean - half, mean + half)
+    rep = (mean - half - margin, mean + half + margin)
+    options = [(abs(mean), "direction")] + ([(tolerance - abs(mean), f"equal within ±{tolerance:g}")]
+                                            if abs(mean) < tolerance else [])
+    best = None
+    for d, what in options:
+        k = int(np.ceil(((t + z * np.sqrt(2)) * noise.upper / d) ** 2)) if d > 0 else None
+        if k is not None and k <= max_seeds and (best is None or k < best[0]):
+            best = (max(k, 1), ("worse" if mean > 0 else "better") if what == "direction" else what)
+    return Verdict(float(mean), pairs, (float(ci[0]), float(ci[1])), (float(rep[0]), float(rep[1])),
+                   interval_word(*rep, pairs, tolerance), *(best or (None, "")))
+
+
+def bonferroni_level(level: float, family: int) -> float:
+    """The per-comparison level that holds the family-wise level over `family` comparisons."""
+    return 1 - (1 - level) / max(family, 1)

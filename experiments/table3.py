@@ -1,0 +1,210 @@
+"""Table 3 decided: every paired comparison of the sweep, its verdict word under the pooled seed-to-seed noise,
+the seeds that word needs, and where it lies against the paper's range (with the paper's rounding); written to
+results/sweep/table3-<profile>.json, which paper_figures.sweep only renders.
+
+    python -m experiments.table3 [--quick]
+
+The default profile reads every sweep index that results/ holds beside it (index-default.json and, after
+`--long`, index-long.json): a row uses every seed any of them ran, and says which profile those seeds come from.
+A word is printed only where a rerun on another machine would print it too with probability >= 95%
+(mecefo.stats.decide); elsewhere the row says "not decided with k seeds" and how many would decide it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+
+import numpy as np
+
+from mecefo import failures
+from mecefo.errors import UsageError
+from mecefo.records import atomic_write_json, git_commit
+from mecefo.results import RESULTS, load_config, paper_numbers, quick_flag
+from mecefo.stats import Noise, bonferroni_level, block_noise, decide
+
+from .common import guarded
+
+LEVELS = ("none", "low", "mid", "high")
+TOLERANCE = 1.0  # points of %: "equal within ±1"
+AGREE = 0.95  # the probability with which a rerun's interval must give the same word
+PAPER_DIGITS = 2  # the paper prints perplexities to two decimals
+NONE = ("main", "none", "none", "mecefo")  # failure-free runs: (tag, level, policy, techniques)
+COMPARISONS = (("mecefo", "none"), ("drop", "none"), ("mecefo", "drop"), ("spread-mecefo", "none"))
+PROFILES = {"quick": ("quick",), "default": ("default", "long")}  # the indices a profile's table reads
+
+
+def name(policy: str) -> str:
+    return "failure-free" if policy == "none" else policy
+
+
+def load_cells(profile: str) -> tuple[list[dict], dict]:
+    """The finished cells of every index the profile reads (deduplicated by config hash, each with the profiles
+    that list it), and the indices' metadata."""
+    cells, meta = {}, {}
+    for p in PROFILES[profile]:
+        path = RESULTS / "sweep" / f"index-{p}.json"
+        if not path.exists():
+            continue
+        index = json.loads(path.read_text())
+        meta[p] = {k: index.get(k) for k in ("base_config", "design", "last_evaluations", "git_commit", "wall_time_s")}
+        meta[p]["runs"] = len(index["cells"])
+        for c in index["cells"]:
+            if "val_ppl" in c:
+                c = {"failable": "", "tag": "main", "techniques": "mecefo", **c}
+                cells.setdefault(c["config_hash"], {**c, "profiles": []})["profiles"].append(p)
+    if not meta:
+        raise UsageError(f"no {RESULTS / 'sweep' / f'index-{PROFILES[profile][0]}.json'}; run python -m experiments.sweep"
+                         f"{' --quick' if profile == 'quick' else ''} first")
+    if not cells:
+        raise UsageError("the sweep indices hold no finished run with 'val_ppl'; rerun python -m experiments.sweep")
+    return list(cells.values()), meta
+
+
+def key(c: dict) -> tuple:
+    return (c["tag"], c["level"], c["policy"], c["techniques"])
+
+
+def rows(cells: list[dict], n: int) -> list[dict]:
+    """Every paired row at the main n: id, group, comparison, the two selectors (tag, level, policy, techniques)."""
+    at = [c for c in cells if c["n"] == n]
+    levels = {c["level"] for c in at if c["tag"] == "main"}
+    out = [{"group": lvl, "comparison": f"{name(a)} − {name(b)}", "a": ("main", lvl, a, "mecefo"),
+            "b": NONE if b == "none" else ("main", lvl, b, "mecefo")} for lvl in LEVELS[1:] if lvl in levels
+           for a, b in COMPARISONS]
+    asym = [c for c in at if c["tag"] == "asymmetric"]
+    if asym:
+        ranks = asym[0]["failable"].split(",")
+        group = f"high, asymmetric (only ranks {ranks[0]}-{ranks[-1]} fail)"
+        out += [{"group": group, "comparison": f"{p} − failure-free", "a": ("asymmetric", "high", p, "mecefo"), "b": NONE}
+                for p in ("mecefo", "drop")]
+        out.append({"group": group, "comparison": "mecefo − drop", "a": ("asymmetric", "high", "mecefo", "mecefo"),
+                    "b": ("asymmetric", "high", "drop", "mecefo")})
+    high = failures.SCENARIOS["high"]
+    for spec in sorted({c["level"] for c in at if c["tag"] == "frequency"}, key=lambda s: -failures.scenario(s).interval_h):
+        sc = failures.scenario(spec)
+        group = f"high x{high.interval_h / sc.interval_h:g} frequency (Table 1 interval {sc.interval_h:g} h, recovery {sc.recovery_h:g} h)"
+        out += [{"group": group, "comparison": f"{p} − failure-free", "a": ("frequency", spec, p, "mecefo"), "b": NONE}
+                for p in ("mecefo", "drop")]
+        out.append({"group": group, "comparison": "mecefo − drop", "a": ("frequency", spec, "mecefo", "mecefo"),
+                    "b": ("frequency", spec, "drop", "mecefo")})
+    att, ffn = ("fig3", "high", "mecefo", "skip_attention"), ("fig3", "high", "mecefo", "skip_ffn")
+    out += [{"group": "high", "comparison": "skip attention − failure-free", "a": att, "b": NONE, "figure3": True},
+            {"group": "high", "comparison": "skip FFN − failure-free", "a": ffn, "b": NONE, "figure3": True},
+            {"group": "high", "comparison": "skip attention − skip FFN", "a": att, "b": ffn, "figure3": True}]
+    for r in out:
+        r["id"] = "/".join(":".join(s) for s in (r["a"], r["b"]))
+    return out
+
+
+def paper_range(level: str) -> dict:
+    """The paper's MeCeFO change against failure-free at a level, over its models, as printed and with the
+    rounding of its two-decimal perplexities (each value anywhere within ±0.005)."""
+    t3 = paper_numbers()["table3_val_ppl"]
+    i, eps = t3["levels"].index(level), 0.5 * 10 ** -PAPER_DIGITS
+    vals = list(t3["rows"].values())
+    printed = [100 * (v[i] / v[0] - 1) for v in vals]
+    lo = [100 * ((v[i] - eps) / (v[0] + eps) - 1) for v in vals]
+    hi = [100 * ((v[i] + eps) / (v[0] - eps) - 1) for v in vals]
+    return {"printed": [min(printed), max(printed)], "with_rounding": [min(lo), max(hi)], "source": t3["source"]}
+
+
+def against(interval: tuple[float, float], rng: list[float]) -> str:
+    lo, hi = interval
+    if lo > rng[1]:
+        return "above the paper's range"
+    if hi < rng[0]:
+        return "below the paper's range"
+    if rng[0] <= lo and hi <= rng[1]:
+        return "within the paper's range"
+    return "overlapping the paper's range"
+
+
+def warm_start_share(base: str) -> dict:
+    """The share of the learning-rate-weighted updates (sum of lr over steps) made in the failure-free warm start."""
+    from mecefo.train import lr_at
+
+    cfg = load_config(base)
+    k, steps = cfg.cluster.failure_free_steps, cfg.train.steps
+    lrs = np.array([lr_at(s, cfg.optim, steps) for s in range(steps)])
+    return {"steps": k, "of": steps, "lr_weighted_share": float(lrs[:k].sum() / lrs.sum())}
+
+
+def n_sweep(cells: list[dict]) -> list[dict]:
+    """Per n: mecefo's and drop's change at high failures (seed 0) against failure-free training at n = 1 (the
+    same samples at every n), the reference of every n alike."""
+    main = {(c["n"], c["level"], c["policy"]): c["val_ppl"] for c in cells if c["tag"] == "main" and c["seed"] == 0}
+    ref = main.get((1, "none", "none"))
+    out = []
+    for n in sorted({c["n"] for c in cells if c["tag"] == "main" and c["seed"] == 0}):
+        row = {"n": n, "failure_free_ppl": ref}
+        for p in ("mecefo", "drop"):
+            v = main.get((n, "high", p))
+            row[p] = None if v is None or ref is None else 100 * (v / ref - 1)
+        out.append(row)
+    return out
+
+
+def decide_table(cells: list[dict], meta: dict, level: float = 0.95) -> dict:
+    """The decided Table 3: pooled noise over every run at the main n, then each row's verdict."""
+    first = next(iter(meta.values()))
+    n = int(first["design"]["n"])
+    at = [c for c in cells if c["n"] == n]
+    noise = block_noise([(key(c) + (c["failable"],), c["seed"], c["val_ppl"]) for c in at], level)
+    by = {}
+    for c in at:
+        by.setdefault(key(c), {})[c["seed"]] = c
+    table = []
+    for r in rows(cells, n):
+        xa, xb = by.get(r["a"], {}), by.get(r["b"], {})
+        seeds = sorted(set(xa) & set(xb))
+        if not seeds:
+            continue
+        d = np.array([100 * (xa[s]["val_ppl"] / xb[s]["val_ppl"] - 1) for s in seeds])
+        v = decide(float(d.mean()), len(seeds), noise, TOLERANCE, level, AGREE)
+        # a run listed by the default index is the default's; the long profile's own runs are its extra seeds
+        profiles = {c["profiles"][0] for s in seeds for c in (xa[s], xb[s])}
+        table.append({**{k: r[k] for k in ("id", "group", "comparison")}, "figure3": r.get("figure3", False),
+                      "seeds": seeds, "differences": d.tolist(), "sample_sd": float(d.std(ddof=1)) if len(d) > 1 else None,
+                      "profile": "long" if "long" in profiles else profiles.pop(), **asdict(v)})
+    family = len(table)
+    fam_level = bonferroni_level(level, family)
+    for row in table:
+        row["word_family"] = decide(row["mean"], row["pairs"], noise, TOLERANCE, fam_level, AGREE).word
+    paper = {}
+    for lvl in LEVELS[1:]:
+        main = next((row for row in table if row["id"] == f"main:{lvl}:mecefo:mecefo/{':'.join(NONE)}"), None)
+        if main is not None:
+            rng = paper_range(lvl)
+            paper[lvl] = {**rng, "ours_ci": main["ci"], "where": against(main["ci"], rng["with_rounding"])}
+    base = first["base_config"]
+    cfg = load_config(base)
+    keep = ("tag", "n", "level", "policy", "techniques", "failable", "seed", "run", "val_ppl", "profiles")
+    hours = (cfg.train.steps - cfg.cluster.failure_free_steps) * cfg.cluster.seconds_per_step / 3600
+    return {"n": n, "noise": asdict(noise), "tolerance": TOLERANCE, "level": level, "agree": AGREE,
+            "family": family, "family_level": fam_level, "rows": table, "paper": paper, "n_sweep": n_sweep(cells),
+            "cells": [{k: c[k] for k in keep} for c in cells],
+            "warm_start": warm_start_share(base), "failure_hours": hours, "indices": meta, "base_config": base,
+            "resolved_base_config": cfg.to_dict(), "git_commit": git_commit()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    quick = quick_flag(argv, __doc__)
+    profile = "quick" if quick else "default"
+    cells, meta = load_cells(profile)
+    result = decide_table(cells, meta)
+    path = RESULTS / "sweep" / f"table3-{profile}.json"
+    atomic_write_json(path, result)
+    noise = result["noise"]
+    print(f"pooled noise: sd {noise['sd']:.3f} points per paired difference ({noise['df']} df, 95% upper bound "
+          f"{noise['upper']:.3f}) from {noise['runs']} runs at n = {result['n']}")
+    for r in result["rows"]:
+        print(f"  {r['group'][:40]:40s} {r['comparison']:32s} {r['mean']:+6.2f}% [{r['ci'][0]:+.2f}, {r['ci'][1]:+.2f}] "
+              f"{r['pairs']} seeds: {r['word']}")
+    print(f"-> {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(guarded(main))

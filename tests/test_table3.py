@@ -1,0 +1,82 @@
+"""experiments.table3 on synthetic sweep indices: rows pair by seed across the profiles' indices, every interval
+comes from the pooled noise (never zero-width), the words follow the replication rule, the paper's range
+carries its rounding."""
+
+import json
+
+import numpy as np
+import pytest
+
+from experiments import table3
+
+
+def cell(level, policy, seed, ppl, tag="main", techniques="mecefo", n=32):
+    return {"n": n, "level": level, "policy": policy, "seed": seed, "techniques": techniques, "tag": tag, "failable": "",
+            "run": f"sweep/x-{level}-{policy}-{seed}-{tag}-{techniques}-{n}", "val_ppl": ppl,
+            "config_hash": f"{n}-{level}-{policy}-{seed}-{tag}-{techniques}"}
+
+
+def index(cells, profile):
+    return {"profile": profile, "base_config": "sweep", "design": {"n": 32}, "last_evaluations": 2, "cells": cells,
+            "git_commit": "0" * 40, "wall_time_s": 1.0}
+
+
+@pytest.fixture
+def results(tmp_path, monkeypatch):
+    monkeypatch.setattr(table3, "RESULTS", tmp_path)
+    (tmp_path / "sweep").mkdir()
+    rng = np.random.default_rng(1)
+    effect = {"none": 0.0, "mecefo": 3.0, "drop": 3.2, "spread-mecefo": 0.0}
+
+    def ppl(level, policy, seed):
+        return 100.0 * np.exp((seed + (effect[policy] if level != "none" else 0.0) + rng.normal(0, 0.3)) / 100)
+
+    default = [cell("none", "none", s, ppl("none", "none", s)) for s in range(3)]
+    default += [cell(lvl, p, s, ppl(lvl, p, s)) for lvl in ("low", "high") for p in ("mecefo", "drop", "spread-mecefo")
+                for s in range(2)]
+    long = default + [cell(lvl, p, s, ppl(lvl, p, s)) for lvl, p in (("none", "none"), ("high", "mecefo"), ("high", "drop"))
+                      for s in range(3, 6)]
+    (tmp_path / "sweep" / "index-default.json").write_text(json.dumps(index(default, "default")))
+    return tmp_path, long
+
+
+def test_rows_pair_by_seed_with_pooled_intervals(results):
+    cells, meta = table3.load_cells("default")
+    out = table3.decide_table(cells, meta)
+    by = {r["id"]: r for r in out["rows"]}
+    high = by["main:high:mecefo:mecefo/main:none:none:mecefo"]
+    assert high["seeds"] == [0, 1] and high["profile"] == "default"
+    assert out["noise"]["df"] > 0 and all(r["ci"][1] - r["ci"][0] > 0 for r in out["rows"])
+    assert high["word"].startswith("worse")  # an effect of 3 points against a noise of ~0.4
+    low = by["main:low:spread-mecefo:mecefo/main:none:none:mecefo"]
+    assert low["word"] in ("equal within ±1", "not decided with 2 seeds")
+    assert {"low", "high"} == set(out["paper"])
+    rng = out["paper"]["high"]
+    assert rng["with_rounding"][0] < rng["printed"][0] <= rng["printed"][1] < rng["with_rounding"][1]
+    assert 0 < out["warm_start"]["lr_weighted_share"] < 1
+
+
+def test_a_row_uses_every_seed_results_holds_and_names_its_profile(results):
+    tmp, long = results
+    (tmp / "sweep" / "index-long.json").write_text(json.dumps(index(long, "long")))
+    cells, meta = table3.load_cells("default")
+    out = table3.decide_table(cells, meta)
+    by = {r["id"]: r for r in out["rows"]}
+    high = by["main:high:mecefo:mecefo/main:none:none:mecefo"]
+    assert high["seeds"] == [0, 1, 3, 4, 5] and high["profile"] == "long"  # seed 2 ran failure-free only
+    assert by["main:low:mecefo:mecefo/main:none:none:mecefo"]["profile"] == "default"
+    assert len(cells) == len({c["config_hash"] for c in cells})
+
+
+def test_no_index_is_a_usage_error(tmp_path, monkeypatch):
+    from mecefo.errors import UsageError
+
+    monkeypatch.setattr(table3, "RESULTS", tmp_path)
+    with pytest.raises(UsageError, match="experiments.sweep"):
+        table3.load_cells("default")
+
+
+def test_against_the_paper():
+    assert table3.against((2.3, 3.0), [1.5, 2.26]) == "above the paper's range"
+    assert table3.against((2.0, 2.2), [1.5, 2.26]) == "within the paper's range"
+    assert table3.against((1.0, 2.0), [1.5, 2.26]) == "overlapping the paper's range"
