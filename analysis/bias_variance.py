@@ -25,7 +25,9 @@ import torch
 from tqdm import tqdm
 
 from mecefo.errors import guarded
-from mecefo.results import load_config, measurement, quick_flag, run_dir
+from mecefo.results import load_config, measurement, quick_flag, reusable, run_dir, sources_digest
+
+SOURCES = ("analysis/bias_variance.py", "src/mecefo")  # the code a measurement depends on: reused only if unchanged
 from mecefo.cluster import LocalCluster
 from mecefo.policies import plan_step
 from mecefo.data import TokenData
@@ -152,12 +154,13 @@ def crossing(df: pd.DataFrame) -> dict:
 def main(argv: list[str] | None = None) -> int:
     quick = quick_flag(argv, __doc__)
     path = measurement("analysis", "bias_variance", quick)
-    if path.exists():
+    digest = sources_digest(SOURCES)
+    if reusable(path, digest):  # reused only when made by this code
         import json
 
         result = json.loads(path.read_text())
     else:
-        result = measure(quick)
+        result = measure(quick) | {"sources_digest": digest}
         result["crossing"] = crossing(pd.DataFrame(result["rows"]))
         atomic_write_json(path, result)
     for stage, c in result["crossing"].items():

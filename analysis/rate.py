@@ -28,7 +28,9 @@ import numpy as np
 
 from mecefo.errors import guarded
 from mecefo.records import atomic_write_json, git_commit, read_jsonl
-from mecefo.results import RESULTS, measurement, quick_flag, sweep_index
+from mecefo.results import RESULTS, measurement, quick_flag, reusable, sources_digest, sweep_index
+
+SOURCES = ("analysis/rate.py", "src/mecefo/stats.py")  # the code the synthetic measurement depends on
 from mecefo.stats import fit_rate
 
 POLICIES = ("failure-free", "drop", "mecefo")
@@ -131,11 +133,11 @@ def gpt_rate(quick: bool) -> dict | None:
 
 def main(argv: list[str] | None = None) -> int:
     quick = quick_flag(argv, __doc__)
-    path = measurement("analysis", "rate", quick)
-    if path.exists():
+    path, digest = measurement("analysis", "rate", quick), sources_digest(SOURCES)
+    if reusable(path, digest):  # the synthetic runs are reused only when made by this code
         result = json.loads(path.read_text())
     else:
-        result = {"synthetic": synthetic(quick), "git_commit": git_commit()}
+        result = {"synthetic": synthetic(quick), "git_commit": git_commit(), "sources_digest": digest}
     result["gpt"] = gpt_curves(quick)
     result["gpt_rate"] = gpt_rate(quick)
     atomic_write_json(path, result)

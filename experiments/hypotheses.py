@@ -10,7 +10,16 @@ scenario, with the value that reproduces each drop:
     H5  work spread over survivors: spread-mecefo with each failed GPU's work split over w peers
         (Job.spread_width)
 and the bound that frames them (mecefo.simulator.spread_bound): the relative cost c of covering the missing
-work that each drop needs at Table 1's stationary failed fraction, beside the c of each technique set.
+work that each drop needs at Table 1's stationary failed fraction, beside the c of each technique set. Two more
+readings, and checks of the paper's columns against each other:
+
+    A   no synchronous barrier: throughput as the per-GPU step rate averaged over the alive GPUs, a neighbour
+        slowing only itself: drop = f (1 - 1/alpha) / (1 - f) at the failed fraction f
+    B   brief covering: a neighbour covers a failure for tau seconds only (a spare or a fast restart takes
+        over), Table 1's arrivals kept; and MeCeFO with spares (tau = a spare's start, as checkpoint-restart gets)
+    the Oobleck check: the failed fraction our Oobleck model needs for the paper's Oobleck column, and Oobleck's
+        drop under H1's window and B's covering (a reading must hold for every column of Table 2 at once)
+    H1 across models: each model's window, and the drop it predicts for the other two
 
     python -m experiments.hypotheses [--quick]
 
@@ -25,7 +34,7 @@ from dataclasses import replace
 import numpy as np
 from tqdm import tqdm
 
-from mecefo.failures import REFERENCE_RANKS, SCENARIOS
+from mecefo.failures import REFERENCE_RANKS, SCENARIOS, FailureScenario
 from mecefo.records import atomic_write_json, git_commit
 from mecefo.results import measurement, reusable, sources_digest, paper_numbers, quick_flag
 from mecefo.simulator import CostModel, ci95, cost_needed, spread_bound
@@ -65,6 +74,128 @@ def crossing(values, means, target: float, log: bool = False) -> float | None:
             xi = x[i] + (x[i + 1] - x[i]) * a / (a - b)
             return float(np.exp(xi) if log else xi)
     return float(values[-1]) if means[-1] == target else None
+
+
+def paper_drop_of(model: str, system: str) -> float:
+    """The paper's Table 2 drop of a system (MeCeFO, Bamboo, Oobleck) for a model, as a fraction."""
+    return paper_numbers()["table2_throughput_tokens_per_s"]["rows"][model][system][2] / 100
+
+
+def failed_fraction() -> float:
+    sc = SCENARIOS[LEVEL]
+    return sc.recovery_h / sc.interval_h / REFERENCE_RANKS  # Little's law: GPUs down / GPUs
+
+
+def reading_a(hyp: dict) -> dict:
+    """Reading A per model: drop = f (1 - 1/alpha) / (1 - f) (alive GPUs' mean step rate; a neighbour at 1/alpha,
+    the rest at 1), at our alpha; the alpha that gives the paper's drop, alpha = 1 / (1 - d (1 - f) / f); and the
+    sentence: the alpha needed against the cheapest technique set's."""
+    f, out = failed_fraction(), {}
+    for name, row in hyp.items():
+        d, alpha = row["target"], row["alpha_1"]
+        drop = f * (1 - 1 / alpha) / (1 - f)
+        x = 1 - d * (1 - f) / f
+        need = 1 / x if x > 0 else None
+        sets = row["H3"]["technique_sets"]
+        lo = min(sets, key=sets.get)
+        reach = need is not None and need >= sets[lo]
+        out[name] = {"drop": drop, "alpha_needed": need, "plausible": reach, "sentence": (
+            f"without a synchronous barrier our alpha = {alpha:.3f} gives {100 * drop:.2f}% (paper {100 * d:.2f}%); the "
+            f"paper's drop needs alpha = {need:.3f}, " + ("within reach of" if reach else "below")
+            + f" the cheapest technique set's {sets[lo]:.3f} ({lo}); and a data-parallel step that all-reduces its "
+            "gradients is synchronous, so the reading also needs the paper to have averaged per-GPU rates")}
+    return out
+
+
+def covering(tau_s: float) -> FailureScenario:
+    """Table 1's high arrivals with each failure covered for tau_s seconds only."""
+    return FailureScenario(f"cover-{tau_s:g}s", SCENARIOS[LEVEL].interval_h, tau_s / 3600)
+
+
+def reading_b(seeds: int, quick: bool) -> dict:
+    """Reading B per model: MeCeFO's drop against the covering time tau, the tau that gives the paper's drop,
+    Oobleck's drop when the same spares serve it, and MeCeFO and Oobleck with spares at a spare's start."""
+    taus = np.geomspace(5, SCENARIOS[LEVEL].recovery_h * 3600, 8 if quick else 16)
+    out = {}
+    for name, job in PAPER_JOBS.items():
+        target = paper_drop_of(name, "MeCeFO")
+        row = curve(taus, lambda t: drops(job, "mecefo", seeds, scenario=covering(float(t))))
+        row["needed"] = crossing(taus, row["mean"], target, log=True)
+        spare = job.const("replacement_delay_s") + job.const("reform_s")
+        row["spare_s"] = spare
+        row["with_spares"] = {p: ci95(drops(job, p, seeds, scenario=covering(spare))) for p in ("mecefo", "oobleck")}
+        tau = row["needed"]
+        row["oobleck_at_needed"] = None if tau is None else ci95(drops(job, "oobleck", seeds, scenario=covering(tau)))
+        oob = paper_drop_of(name, "Oobleck")
+        row["sentence"] = ("no covering time in the swept range reproduces the drop" if tau is None else (
+            f"{tau:.0f} s of covering per failure (Table 1 says a failed GPU recovers after "
+            f"{SCENARIOS[LEVEL].recovery_h:g} h); a spare ready after {job.const('replacement_delay_s'):.0f} s plus a "
+            f"{job.const('reform_s'):g} s rendezvous covers for {spare:.0f} s, "
+            + ("so spares could do it" if spare <= tau else f"more than the {tau:.0f} s needed")
+            + f"; MeCeFO with such spares loses {100 * row['with_spares']['mecefo'][0]:.2f}% "
+            f"[{100 * row['with_spares']['mecefo'][1]:.2f}, {100 * row['with_spares']['mecefo'][2]:.2f}]"
+            + f"; with the same spares Oobleck's drop would be {100 * row['oobleck_at_needed'][0]:.2f}% against the paper's "
+            f"{100 * oob:.2f}%"))
+        out[name] = row
+    return out
+
+
+def oobleck_check(seeds: int, quick: bool, hyp: dict) -> dict:
+    """Per model: the failed fraction f at which our Oobleck model gives the paper's Oobleck drop (Table 1's
+    interval kept, the recovery time varied), and Oobleck's drop under H1's window (a cold start and W seconds)."""
+    sc = SCENARIOS[LEVEL]
+    recov = np.geomspace(0.05, 8.0, 8 if quick else 17)  # hours
+    out = {}
+    for name, job in PAPER_JOBS.items():
+        target = paper_drop_of(name, "Oobleck")
+        row = curve(recov, lambda h: drops(job, "oobleck", seeds, scenario=FailureScenario("oobleck-f", sc.interval_h, float(h))))
+        h = crossing(recov, row["mean"], target, log=True)
+        row["values_f"] = [v / sc.interval_h / REFERENCE_RANKS for v in recov]
+        row["f_needed"] = None if h is None else h / sc.interval_h / REFERENCE_RANKS
+        w = hyp[name]["H1"]["needed"]
+        row["under_H1"] = None if w is None else ci95(drops(job, "oobleck", 4 * seeds, horizon_s=float(w), start="cold"))
+        f = failed_fraction()
+        row["sentence"] = (
+            (f"our Oobleck model gives the paper's Oobleck drop {100 * target:.2f}% at f = {100 * row['f_needed']:.1f}% "
+             f"({REFERENCE_RANKS * row['f_needed']:.1f} of {REFERENCE_RANKS} GPUs down; Table 1's high: "
+             f"{REFERENCE_RANKS * f:.0f})" if h is not None else
+             f"no failed fraction in the swept range gives the paper's Oobleck drop {100 * target:.2f}%")
+            + ("" if w is None else f"; in H1's {w:.0f} s window Oobleck's drop would be {100 * row['under_H1'][0]:.2f}%"))
+        out[name] = row
+    return out
+
+
+def h1_across(hyp: dict) -> dict:
+    """Each model's H1 window, and the drop that window predicts for every model (log-linear interpolation of
+    that model's H1 curve): one window would have to serve all three of the paper's rows."""
+    out = {}
+    for name, row in hyp.items():
+        w = row["H1"]["needed"]
+        if w is None:
+            continue
+        out[name] = {"window_s": w, "predicts": {m: float(np.interp(np.log(w), np.log(r["H1"]["values"]), r["H1"]["mean"]))
+                                                 for m, r in hyp.items()}}
+    return out
+
+
+def consistency(a: dict, b: dict, oob: dict, across: dict) -> list[str]:
+    """The sentences that hold the readings against every column of Table 2 at once."""
+    lines = []
+    for name in PAPER_JOBS:
+        target, oob_paper = paper_drop_of(name, "MeCeFO"), paper_drop_of(name, "Oobleck")
+        parts = [f"A: {a[name]['sentence']}", f"B: {b[name]['sentence']}", f"Oobleck: {oob[name]['sentence']}"]
+        if name in across:
+            pred = across[name]["predicts"]
+            parts.append(f"H1's {across[name]['window_s']:.0f} s window predicts " + ", ".join(
+                f"{100 * v:.2f}% for {m} (paper {100 * paper_drop_of(m, 'MeCeFO'):.2f}%)" for m, v in pred.items() if m != name))
+        broken = [h for h, d in (("H1", oob[name]["under_H1"]), ("B", b[name]["oobleck_at_needed"])) if d is not None
+                  and d[2] < oob_paper]
+        parts.append((f"{' and '.join(broken)} reconcile{'s' if len(broken) == 1 else ''} MeCeFO's {100 * target:.2f}% only "
+                      f"by taking Oobleck's drop below the paper's {100 * oob_paper:.2f}%: under one synchronous accounting "
+                      "the paper's MeCeFO and Oobleck columns cannot both hold") if broken else
+                     "no reading tested here takes Oobleck's drop below the paper's")
+        lines.append(f"{name}: " + "; ".join(parts) + ".")
+    return lines
 
 
 def hypotheses(seeds: int, quick: bool) -> dict:
@@ -124,11 +255,18 @@ def main(argv: list[str] | None = None) -> int:
     result = {"level": LEVEL, "horizon_s": HORIZON_S, "seeds": seeds, "git_commit": git_commit(), "sources_digest": digest,
               "interval_s": SCENARIOS[LEVEL].interval_h * 3600,  # between failure events on the 32 GPUs
               "hypotheses": hypotheses(seeds, quick), "bound": bound()}
+    hyp = result["hypotheses"]
+    result["readings"] = {"A": reading_a(hyp), "B": reading_b(seeds, quick), "oobleck": oobleck_check(seeds, quick, hyp),
+                          "H1_across": h1_across(hyp)}
+    r = result["readings"]
+    result["readings"]["consistency"] = consistency(r["A"], r["B"], r["oobleck"], r["H1_across"])
     atomic_write_json(path, result)
     for name, row in result["hypotheses"].items():
         print(f"{name}: paper {100 * row['target']:.2f}%; needed W {row['H1']['needed']}, s {row['H2']['needed']}, "
               f"alpha {row['H3']['needed']}, unit {row['H4']['needed']}, width {row['H5']['needed']}; "
               f"c needed {result['bound']['models'][name]['c_needed']:.3f}")
+    for line in result["readings"]["consistency"]:
+        print(line)
     print(f"-> {path}")
     return 0
 

@@ -265,6 +265,9 @@ def verdict(result: dict, hyp_result: dict, t2: dict) -> str:
     for p, e in errors.items():  # the fitted row is judged on the models it predicts only
         held_out = {m: v for m, v in e.items() if not (p == result["bamboo_fit"].get("label") and m == fitted_on)}
         mean_abs[p] = sum(abs(v) for v in held_out.values()) / len(held_out)
+    for line in hyp_result.get("readings", {}).get("consistency", []):
+        name, rest = line.split(": ", 1)
+        lines.append(f"- **{name}, readings A and B, the Oobleck check, H1 across models:** {rest}")
     lines.append("- **Baselines against the paper's columns** (data not used to set any constant, except the fitted "
                  f"row's {fitted_on}, left out of its error): mean absolute error "
                  + ", ".join(f"{p} {v:.2f} points" for p, v in mean_abs.items()) + ".")
