@@ -69,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     profile = "quick" if args.quick else "default"
     if args.worker:
-        print(json.dumps(worker(profile)))
+        import torch
+
+        print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(), "ppl": worker(profile)}))
         return 0
     t3_path = RESULTS / "sweep" / f"table3-{profile}.json"
     if not t3_path.exists():
@@ -87,7 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     if proc.returncode:
         sys.stderr.write(proc.stderr)
         return proc.returncode
-    rerun = json.loads(proc.stdout.splitlines()[-1])
+    import torch
+
+    got = json.loads(proc.stdout.splitlines()[-1])
+    rerun = got["ppl"]
     seeds = sorted({int(k.split(":")[2]) for k in rerun})
     missing = [k for k in rerun if k not in original]
     if missing:
@@ -96,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         raise UsageError(f"the original sweep lacks {missing}; run python -m experiments.sweep first")
     rel = [abs(100 * (rerun[k] / original[k] - 1)) for k in rerun]
     before, after = words(original, seeds, noise), words(rerun, seeds, noise)
-    result = {"capability": args.capability, "profile": profile, "seeds": seeds, "noise": t3["noise"],
+    # the original sweep ran in this machine's own float environment (no ATEN_CPU_CAPABILITY set by run_all.sh)
+    result = {"capability": args.capability, "rerun_capability": got["capability"],
+              "original_capability": torch.backends.cpu.get_cpu_capability(), "profile": profile, "seeds": seeds, "noise": t3["noise"],
               "runs": {k: {"original": original[k], "rerun": rerun[k]} for k in rerun},
               "max_abs_change_of_ppl_pct": max(rel), "mean_abs_change_of_ppl_pct": float(np.mean(rel)),
               "rows": {r: {"original": before[r], "rerun": after[r]} for r in before},

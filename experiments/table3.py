@@ -49,7 +49,7 @@ def load_cells(profile: str) -> tuple[list[dict], dict]:
             continue
         index = json.loads(path.read_text())
         meta[p] = {k: index.get(k) for k in ("base_config", "design", "last_evaluations", "git_commit", "wall_time_s")}
-        meta[p]["runs"] = len(index["cells"])
+        meta[p]["runs"] = sum("val_ppl" in c for c in index["cells"])
         for c in index["cells"]:
             if "val_ppl" in c:
                 c = {"failable": "", "tag": "main", "techniques": "mecefo", **c}
@@ -118,7 +118,7 @@ def against(interval: tuple[float, float], rng: list[float]) -> str:
         return "below the paper's range"
     if rng[0] <= lo and hi <= rng[1]:
         return "within the paper's range"
-    return "overlapping the paper's range"
+    return "overlapping the paper's range (not distinguished from it)"
 
 
 def warm_start_share(base: str) -> dict:
@@ -146,6 +146,27 @@ def n_sweep(cells: list[dict]) -> list[dict]:
     return out
 
 
+def resolution(paper: dict, noise: Noise, cells: list[dict], n: int, level: float = 0.95) -> dict:
+    """What deciding the paper's low and mid effects would take if they held here: seeds per row for a size within
+    the tolerance and for a direction (mecefo.stats.decide's closed form at the sd's upper bound), and the hours of
+    runs (a failure-free and a MeCeFO run per seed, at the mean measured time of a run at n)."""
+    from scipy import stats as sps
+
+    m = (sps.t.ppf(0.5 + level / 2, noise.df) + sps.norm.ppf(AGREE) * np.sqrt(2)) * noise.upper
+    times = [c["wall_time_s"] for c in cells if c.get("wall_time_s") and c["n"] == n]
+    run_s = float(np.mean(times)) if times else None
+    seeds = lambda d: int(np.floor((m / d) ** 2)) + 1 if d > 0 else None  # noqa: E731
+    hours = lambda k: None if k is None or run_s is None else 2 * k * run_s / 3600  # noqa: E731
+    out = {"run_s": run_s}
+    for lvl in ("low", "mid"):
+        if lvl in paper:
+            lo, hi = paper[lvl]["printed"]
+            within, direction = seeds(TOLERANCE - hi), seeds(lo)
+            out[lvl] = {"effect": [lo, hi], "within_seeds": within, "within_hours": hours(within),
+                        "direction_seeds": direction, "direction_hours": hours(direction)}
+    return out
+
+
 def decide_table(cells: list[dict], meta: dict, level: float = 0.95) -> dict:
     """The decided Table 3: pooled noise over every run at the main n, then each row's verdict."""
     first = next(iter(meta.values()))
@@ -154,7 +175,12 @@ def decide_table(cells: list[dict], meta: dict, level: float = 0.95) -> dict:
     noise = block_noise([(key(c) + (c["failable"],), c["seed"], c["val_ppl"]) for c in at], level)
     by = {}
     for c in at:
-        by.setdefault(key(c), {})[c["seed"]] = c
+        twin = by.setdefault(key(c), {}).get(c["seed"])
+        if twin is not None and twin["config_hash"] != c["config_hash"]:  # e.g. an index from an older sweep.toml
+            raise UsageError(f"two runs for {'/'.join(key(c))} seed {c['seed']} with different configs "
+                             f"({twin['config_hash']} in {twin['profiles']}, {c['config_hash']} in {c['profiles']}); "
+                             "rerun python -m experiments.sweep for the stale profile or move its index away")
+        by[key(c)][c["seed"]] = c
     table = []
     for r in rows(cells, n):
         xa, xb = by.get(r["a"], {}), by.get(r["b"], {})
@@ -177,15 +203,17 @@ def decide_table(cells: list[dict], meta: dict, level: float = 0.95) -> dict:
         main = next((row for row in table if row["id"] == f"main:{lvl}:mecefo:mecefo/{':'.join(NONE)}"), None)
         if main is not None:
             rng = paper_range(lvl)
-            paper[lvl] = {**rng, "ours_ci": main["ci"], "where": against(main["ci"], rng["with_rounding"])}
+            # read from the replication interval, like the words: a rerun elsewhere says the same
+            paper[lvl] = {**rng, "ours_ci": main["ci"], "ours_replication": main["replication"],
+                          "where": against(main["replication"], rng["with_rounding"])}
     base = first["base_config"]
     cfg = load_config(base)
-    keep = ("tag", "n", "level", "policy", "techniques", "failable", "seed", "run", "val_ppl", "profiles")
+    keep = ("tag", "n", "level", "policy", "techniques", "failable", "seed", "run", "val_ppl", "profiles", "wall_time_s")
     hours = (cfg.train.steps - cfg.cluster.failure_free_steps) * cfg.cluster.seconds_per_step / 3600
     return {"n": n, "noise": asdict(noise), "tolerance": TOLERANCE, "level": level, "agree": AGREE,
             "family": family, "family_level": fam_level, "rows": table, "paper": paper, "n_sweep": n_sweep(cells),
-            "cells": [{k: c[k] for k in keep} for c in cells],
-            "warm_start": warm_start_share(base), "failure_hours": hours, "indices": meta, "base_config": base,
+            "cells": [{k: c.get(k) for k in keep} for c in cells],
+            "resolution": resolution(paper, noise, at, n, level), "warm_start": warm_start_share(base), "failure_hours": hours, "indices": meta, "base_config": base,
             "resolved_base_config": cfg.to_dict(), "git_commit": git_commit()}
 
 

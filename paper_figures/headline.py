@@ -93,8 +93,11 @@ def float_check(result: dict | None) -> str:
         return "not run here yet (`python -m experiments.float_check`).\n"
     rows = "; ".join(f"{r} {v['original']['mean']:+.2f}% *{v['original']['word']}* -> {v['rerun']['mean']:+.2f}% "
                      f"*{v['rerun']['word']}*" for r, v in result["rows"].items())
-    return (f"with `ATEN_CPU_CAPABILITY={result['capability']}` every run's perplexity moved (by "
-            f"{result['mean_abs_change_of_ppl_pct']:.2f}% on average, at most {result['max_abs_change_of_ppl_pct']:.2f}%), "
+    moved = (f"every run's perplexity moved (by {result['mean_abs_change_of_ppl_pct']:.2f}% on average, at most "
+             f"{result['max_abs_change_of_ppl_pct']:.2f}%)" if result["max_abs_change_of_ppl_pct"] > 0 else
+             "no run's perplexity moved (the check tested nothing)")
+    return (f"with torch's CPU kernels at {result.get('rerun_capability', result['capability'])} instead of "
+            f"{result.get('original_capability', 'this machine')}'s, {moved}, "
             f"and {result['words_changed']} of {len(result['rows'])} words changed (high failures, seeds "
             f"{', '.join(map(str, result['seeds']))}, decided with the same pooled noise): {rows}. Commit "
             f"`{result['git_commit'][:12]}`.\n")

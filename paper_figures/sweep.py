@@ -91,6 +91,8 @@ def curves(df: pd.DataFrame, t3: dict):
                 rows.append({"level": c["level"], "policy": name(c["policy"]), "seed": c["seed"], "step": m["step"],
                              "val_loss": m["val_loss"]})
     data = pd.DataFrame(rows)
+    if data.empty:
+        raise UsageError(f"no metrics.jsonl under {RESULTS} for the runs of the table; rerun python -m experiments.sweep")
     data = data[data["step"] >= data["step"].max() * 0.2]  # the early drop dwarfs the differences
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     sns.lineplot(data, x="step", y="val_loss", hue="level", hue_order=[lvl for lvl in LEVELS if lvl in set(data["level"])],
@@ -222,7 +224,9 @@ def trajectory_spread(df: pd.DataFrame, n: int) -> str:
 def against_paper(t3: dict) -> str:
     parts = [f"{lvl} [{p['ours_ci'][0]:+.2f}, {p['ours_ci'][1]:+.2f}]% against the paper's +{p['printed'][0]:.2f} .. "
              f"+{p['printed'][1]:.2f}% (+{p['with_rounding'][0]:.2f} .. +{p['with_rounding'][1]:.2f}% with its two-decimal "
-             f"rounding): {p['where']}" for lvl, p in t3["paper"].items()]
+             f"rounding): {p['where']}" for lvl, p in sorted(t3["paper"].items(), key=lambda kv: LEVELS.index(kv[0]))]
+    if parts:
+        parts[-1] += " (each read from the replication interval, as the words are)"
     return ("MeCeFO − failure-free, ours against the paper's range over 350M-7B: " + "; ".join(parts) + ".") if parts else ""
 
 
@@ -247,25 +251,26 @@ def paired_table(t3: dict, figure3_rows: bool = False) -> list[str]:
              "|---|---|---|---|---|---|"]
     for r in (r for r in t3["rows"] if r["figure3"] == figure3_rows):
         word = r["word"] + ("" if r["word_family"] == r["word"] else f" (family-wise: {r['word_family']})")
-        need = f"{r['seeds_needed']} (for '{r['needed_for']}')" if r["seeds_needed"] else "more than 10,000"
+        need = ("— (decided)" if not r["word"].startswith("not decided") else
+                f"{r['seeds_needed']} (for '{r['needed_for']}')" if r["seeds_needed"] else "more than 10,000")
         lines.append(f"| {r['group']} | {r['comparison']} | {r['mean']:+.2f}% [{r['ci'][0]:+.2f}, {r['ci'][1]:+.2f}] | "
                      f"{word} | {r['pairs']} ({r['profile']}) | {need} |")
     return lines
 
 
 def resolution_words(t3: dict) -> str:
-    """What deciding the paper's low and mid effects would take, at the pooled noise's upper bound."""
-    noise = t3["noise"]
-    t, z = sps.t.ppf(0.5 + t3["level"] / 2, noise["df"]), sps.norm.ppf(t3["agree"])
-    parts = []
-    for lvl in ("low", "mid"):
-        if lvl in t3["paper"]:
-            lo, hi = t3["paper"][lvl]["printed"]
-            k = int(np.ceil(((t + z * np.sqrt(2)) * noise["upper"] / (t3["tolerance"] - hi)) ** 2))
-            parts.append(f"{lvl} (+{lo:.2f} .. +{hi:.2f}%): 'equal within ±{t3['tolerance']:g}' needs {k} seeds per row, "
-                         f"a direction at +{lo:.2f}% needs {int(np.ceil(((t + z * np.sqrt(2)) * noise['upper'] / lo) ** 2))}")
-    return ("If the paper's effects held here, deciding them would take: " + "; ".join(parts) +
-            " (two runs per seed, ~75 s per run on 2 cores).") if parts else ""
+    """What deciding the paper's low and mid effects would take (experiments.table3.resolution)."""
+    res = t3.get("resolution", {})
+    fmt_h = lambda h: "" if h is None else f" ({h:.1f} h of runs)"  # noqa: E731
+    parts = [f"{lvl} (+{r['effect'][0]:.2f} .. +{r['effect'][1]:.2f}%): a size within ±{t3['tolerance']:g} needs "
+             f"{r['within_seeds'] if r['within_seeds'] else 'no number of'} seeds per row{fmt_h(r['within_hours'])}, a "
+             f"direction at +{r['effect'][0]:.2f}% needs {r['direction_seeds'] if r['direction_seeds'] else 'no number of'}"
+             f"{fmt_h(r['direction_hours'])}" for lvl, r in res.items() if lvl in ("low", "mid")]
+    if not parts:
+        return ""
+    run = f"{res['run_s']:.0f} s per run here, " if res.get("run_s") else ""
+    return ("If the paper's effects held here, deciding them would take (at the sd's upper bound; " + run +
+            "a failure-free and a MeCeFO run per seed): " + "; ".join(parts) + ".")
 
 
 def results_section(df: pd.DataFrame, t3: dict) -> str:

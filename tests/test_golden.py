@@ -1,10 +1,11 @@
 """Golden per-step losses: nano on 4 ranks over a fixed trace with overlapping failures, 10 steps, every
 trainer policy, on the CPU in fp32 (one intra-op thread). A change of numerics shows here first.
 
-Compared within a relative tolerance, not bit for bit: another CPU's vectorised kernels round differently in
-the last bits. tests/golden/tolerance.json holds what was measured (the largest relative deviation from the
-golden file over torch's kernel sets, ATEN_CPU_CAPABILITY = default / avx2 / avx512, at 1 and 2 threads) and
-the tolerance derived from it. Comparisons on one machine stay exact (resume below, the twins in test_ft).
+Compared within a relative tolerance, not bit for bit: another CPU rounds differently in the last bits (the
+machine that wrote the golden file and this one differ by 1.6e-7; torch's kernel sets, ATEN_CPU_CAPABILITY =
+default / avx2 / avx512, differ from each other by as much). tests/golden/tolerance.json holds what was measured
+(the largest relative deviation from the golden file over those kernel sets at 1 and 2 threads) and the
+tolerance derived from it. Comparisons on one machine stay exact (resume below, the twins in test_ft).
 
     python -m tests.test_golden --update     # rewrite tests/golden/losses.json after an intended change
     python -m tests.test_golden --measure    # rerun under every kernel set, rewrite tests/golden/tolerance.json

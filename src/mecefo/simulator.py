@@ -72,9 +72,10 @@ class Job:
     global_batch: int = 1024  # sequences
     seq_len: int = 256
     nvlink_bytes_s: float = 600e9
-    # one GPU's inter-node link: the paper's 200 GB/s InfiniBand is a node's (8 HDR NICs of 200 Gb/s, one per
-    # GPU); a ring all-reduce across nodes runs at the per-GPU link's 25 GB/s (NCCL's bus bandwidth)
-    ib_bytes_s: float = 25e9
+    # the all-reduce's bus bandwidth across nodes: the paper's 200 GB/s InfiniBand per node is eight 200 Gb/s HDR
+    # NICs, one per GPU; NCCL runs a ring per NIC, each carrying 1/8 of the gradient, so the time of
+    # 2 (n-1)/n S / bandwidth is set by the node's 200 GB/s, not one GPU's 25 GB/s
+    ib_bytes_s: float = 200e9
     overlap: float = 0.5  # share of the all-reduce hidden behind the backward pass
     techniques: str = "mecefo"  # what a neighbour applies (mecefo.neighbour.Techniques.parse)
     r: float = 0.125  # low-rank width

@@ -192,7 +192,7 @@ class Verdict:
     replication: tuple[float, float]
     word: str
     seeds_needed: int | None  # fewest seeds at which the current mean decides a word, at the sd's upper bound
-    needed_for: str  # the word those seeds would decide
+    needed_for: str  # what those seeds would decide: a direction ('worse', 'better') or a size ('within ±1')
 
 
 def interval_word(lo: float, hi: float, pairs: int, tolerance: float = 1.0) -> str:
@@ -212,16 +212,17 @@ def decide(mean: float, pairs: int, noise: Noise, tolerance: float = 1.0, level:
     """The verdict of a mean of `pairs` paired changes (points of %) under the pooled noise (see Verdict).
     Seeds needed: the word is decided once its distance d from the boundary it must clear satisfies
     d >= (t_{df} + z_{agree} sqrt 2) sd_upper / sqrt(k), i.e. k = ceil(((t + z sqrt 2) sd_upper / d)^2),
-    with d = |mean| for a direction and tolerance - |mean| for 'equal within'; the smaller of the two."""
+    with d = |mean| for a direction and tolerance - |mean| for a size within the tolerance ('equal within ±1', or
+    'worse/better by less than 1 point' if the direction is decided too); the smaller of the two."""
     t, z = sps.t.ppf(0.5 + level / 2, noise.df), sps.norm.ppf(agree)
     half, margin = t * noise.sd / np.sqrt(pairs), z * noise.sd * np.sqrt(2 / pairs)
     ci = (mean - half, mean + half)
     rep = (mean - half - margin, mean + half + margin)
-    options = [(abs(mean), "direction")] + ([(tolerance - abs(mean), f"equal within ±{tolerance:g}")]
+    options = [(abs(mean), "direction")] + ([(tolerance - abs(mean), f"within ±{tolerance:g}")]
                                             if abs(mean) < tolerance else [])
     best = None
-    for d, what in options:
-        k = int(np.ceil(((t + z * np.sqrt(2)) * noise.upper / d) ** 2)) if d > 0 else None
+    for d, what in options:  # the word needs d > margin strictly: floor + 1, not ceil
+        k = int(np.floor(((t + z * np.sqrt(2)) * noise.upper / d) ** 2)) + 1 if d > 0 else None
         if k is not None and k <= max_seeds and (best is None or k < best[0]):
             best = (max(k, 1), ("worse" if mean > 0 else "better") if what == "direction" else what)
     return Verdict(float(mean), pairs, (float(ci[0]), float(ci[1])), (float(rep[0]), float(rep[1])),
