@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         import torch
 
-        print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(), "ppl": worker(profile)}))
+        print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
+                          "ppl": worker(profile)}))
         return 0
     t3_path = RESULTS / "sweep" / f"table3-{profile}.json"
     if not t3_path.exists():
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     rel = [abs(100 * (rerun[k] / original[k] - 1)) for k in rerun]
     before, after = words(original, seeds, noise), words(rerun, seeds, noise)
     # the original sweep ran in this machine's own float environment (no ATEN_CPU_CAPABILITY set by run_all.sh)
-    result = {"capability": args.capability, "rerun_capability": got["capability"],
+    result = {"capability": args.capability, "rerun_capability": got["capability"], "rerun_threads": got["threads"],
               "original_capability": torch.backends.cpu.get_cpu_capability(), "profile": profile, "seeds": seeds, "noise": t3["noise"],
               "runs": {k: {"original": original[k], "rerun": rerun[k]} for k in rerun},
               "max_abs_change_of_ppl_pct": max(rel), "mean_abs_change_of_ppl_pct": float(np.mean(rel)),

@@ -96,7 +96,8 @@ def float_check(result: dict | None) -> str:
     moved = (f"every run's perplexity moved (by {result['mean_abs_change_of_ppl_pct']:.2f}% on average, at most "
              f"{result['max_abs_change_of_ppl_pct']:.2f}%)" if result["max_abs_change_of_ppl_pct"] > 0 else
              "no run's perplexity moved (the check tested nothing)")
-    return (f"with torch's CPU kernels at {result.get('rerun_capability', result['capability'])} instead of "
+    threads = f" and {result['rerun_threads']} intra-op thread(s)" if "rerun_threads" in result else ""
+    return (f"with torch's CPU kernels at {result.get('rerun_capability', result['capability'])}{threads} instead of "
             f"{result.get('original_capability', 'this machine')}'s, {moved}, "
             f"and {result['words_changed']} of {len(result['rows'])} words changed (high failures, seeds "
             f"{', '.join(map(str, result['seeds']))}, decided with the same pooled noise): {rows}. Commit "

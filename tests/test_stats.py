@@ -160,7 +160,7 @@ def test_interval_words_never_hide_a_significant_difference():
 
     assert interval_word(0.2, 0.9, 3) == "worse by less than 1 point"  # not "equal"
     assert interval_word(-0.5, 0.8, 3) == "equal within ±1"
-    assert interval_word(1.2, 3.0, 3) == "worse by more than 1 point"
+    assert interval_word(1.2, 3.0, 3) == "worse"
     assert interval_word(0.5, 3.0, 3) == "worse" and interval_word(-3.0, -0.5, 3) == "better"
     assert interval_word(-2.0, 0.5, 3) == "not decided with 3 seeds"
     assert interval_word(-0.9, -0.1, 1) == "better by less than 1 point"
@@ -178,7 +178,7 @@ def test_decide_reads_the_word_from_the_replication_interval():
     assert v.ci == pytest.approx((2.0 - half, 2.0 + half))
     assert v.replication == pytest.approx((2.0 - half - margin, 2.0 + half + margin))
     assert v.word == "worse" and v.needed_for == "worse"
-    assert decide(3.0, 3, noise).word == "worse by more than 1 point"
+    assert decide(3.0, 3, noise).word == "worse"
     # a mean whose interval excludes 0 but whose replication interval does not: not decided
     close = half + margin / 2
     assert decide(close, 3, noise).ci[0] > 0 and decide(close, 3, noise).word == "not decided with 3 seeds"

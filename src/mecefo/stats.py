@@ -196,14 +196,14 @@ class Verdict:
 
 
 def interval_word(lo: float, hi: float, pairs: int, tolerance: float = 1.0) -> str:
-    """The word of an interval of a change in ppl (lower is better): the direction when it excludes 0, its size
-    against the tolerance when it lies within or beyond it. 'worse by less than 1 point' is a significant
+    """The word of an interval of a change in ppl (lower is better): the direction when it excludes 0, and 'by less
+    than' the tolerance when it also lies within it. 'worse by less than 1 point' is a significant
     degradation smaller than the tolerance, never hidden as 'equal'."""
     direction = "worse" if lo > 0 else "better" if hi < 0 else ""
-    within, beyond = -tolerance <= lo and hi <= tolerance, lo > tolerance or hi < -tolerance
+    within = -tolerance <= lo and hi <= tolerance
     unit = f"{tolerance:g} point" + ("" if tolerance == 1 else "s")
-    if direction:
-        return f"{direction} by less than {unit}" if within else f"{direction} by more than {unit}" if beyond else direction
+    if direction:  # no "by more than" tier: a rerun flipped it at the tolerance's edge (experiments.float_check)
+        return f"{direction} by less than {unit}" if within else direction
     return f"equal within ±{tolerance:g}" if within else f"not decided with {pairs} seed{'s' if pairs != 1 else ''}"
 
 
