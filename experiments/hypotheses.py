@@ -51,8 +51,7 @@ TECHNIQUE_SETS = {"naive NDB": "normal", "+ skip_attention": "skip_attention",
 
 def paper_drops() -> dict[str, float]:
     """The paper's MeCeFO drop per model, as a fraction."""
-    rows = paper_numbers()["table2_throughput_tokens_per_s"]["rows"]
-    return {m: rows[m]["MeCeFO"][2] / 100 for m in PAPER_JOBS}
+    return {m: paper_drop_of(m, "MeCeFO") for m in PAPER_JOBS}
 
 
 def curve(values, run) -> dict:
@@ -240,8 +239,7 @@ def hypotheses(seeds: int, quick: bool) -> dict:
 
 def bound() -> dict:
     """c needed by each paper drop at Table 1's stationary failed fraction, and the c of each technique set."""
-    sc = SCENARIOS[LEVEL]
-    f = sc.recovery_h / sc.interval_h / REFERENCE_RANKS  # Little's law: GPUs down / GPUs
+    f = failed_fraction()
     out = {"f": f, "models": {}}
     for name, target in paper_drops().items():
         job = PAPER_JOBS[name]

@@ -22,7 +22,7 @@ from mecefo import failures
 from mecefo.errors import UsageError
 from mecefo.records import atomic_write_json, git_commit
 from mecefo.results import RESULTS, load_config, paper_numbers, quick_flag
-from mecefo.stats import Noise, bonferroni_level, block_noise, decide
+from mecefo.stats import Noise, bonferroni_level, block_noise, decide, seeds_to_clear
 
 from .common import guarded
 
@@ -150,12 +150,9 @@ def resolution(paper: dict, noise: Noise, cells: list[dict], n: int, level: floa
     """What deciding the paper's low and mid effects would take if they held here: seeds per row for a size within
     the tolerance and for a direction (mecefo.stats.decide's closed form at the sd's upper bound), and the hours of
     runs (a failure-free and a MeCeFO run per seed, at the mean measured time of a run at n)."""
-    from scipy import stats as sps
-
-    m = (sps.t.ppf(0.5 + level / 2, noise.df) + sps.norm.ppf(AGREE) * np.sqrt(2)) * noise.upper
     times = [c["wall_time_s"] for c in cells if c.get("wall_time_s") and c["n"] == n]
     run_s = float(np.mean(times)) if times else None
-    seeds = lambda d: int(np.floor((m / d) ** 2)) + 1 if d > 0 else None  # noqa: E731
+    seeds = lambda d: seeds_to_clear(d, noise.upper, noise.df, level, AGREE)  # noqa: E731
     hours = lambda k: None if k is None or run_s is None else 2 * k * run_s / 3600  # noqa: E731
     out = {"run_s": run_s}
     for lvl in ("low", "mid"):

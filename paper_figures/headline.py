@@ -13,6 +13,7 @@ from mecefo.errors import guarded
 from mecefo.results import RESULTS, measurement, quick_flag
 
 from .common import update_readme, write_table
+from .sweep import main_id
 from .throughput import drop, in_order, paper_drop, within
 
 
@@ -24,13 +25,12 @@ def quality(t3: dict | None) -> str:
     if t3 is None:
         return "- **Quality (Table 3):** no results/sweep/table3-*.json yet (`python -m experiments.table3`)."
     by = {r["id"]: r for r in t3["rows"]}
-    sel = lambda lvl, p: f"main:{lvl}:{p}:mecefo"  # noqa: E731
     parts = []
     for lvl in ("low", "mid", "high"):
-        r = by.get(f"{sel(lvl, 'mecefo')}/{sel('none', 'none')}")
+        r = by.get(main_id(lvl, "mecefo", "none"))
         if r:
             parts.append(f"{lvl} {r['mean']:+.2f}% [{r['ci'][0]:+.2f}, {r['ci'][1]:+.2f}] *{r['word']}* ({r['pairs']} seeds)")
-    vs = by.get(f"{sel('high', 'mecefo')}/{sel('high', 'drop')}")
+    vs = by.get(main_id("high", "mecefo", "drop"))
     paper = t3["paper"].get("high")
     line = (f"- **Quality (Table 3 analog, {t3['n']} ranks, validation perplexity, MeCeFO − failure-free, paired "
             "95% intervals):** " + "; ".join(parts) + ".")

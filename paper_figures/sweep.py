@@ -15,11 +15,11 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import seaborn as sns
-from scipy import stats as sps
 
 from mecefo.errors import UsageError, guarded
 from mecefo.model import count_parameters, preset
 from mecefo.results import RESULTS, paper_numbers, quick_flag
+from mecefo.stats import replication_factor
 
 from .common import plain_log_ticks, read_jsonl, save_figure, style, update_readme, write_table
 
@@ -192,11 +192,11 @@ def power_figure(t3: dict):
     against the number of seeds, at the pooled sd and at its upper bound; beside it, how far each high-level
     mean lies from 0."""
     noise, ks = t3["noise"], np.arange(2, 65)
-    t, z = sps.t.ppf(0.5 + t3["level"] / 2, noise["df"]), sps.norm.ppf(t3["agree"])
+    factor = replication_factor(noise["df"], t3["level"], t3["agree"])
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     for sd, label, ls in ((noise["sd"], f"pooled sd {noise['sd']:.2f} ({noise['df']} df)", "-"),
                           (noise["upper"], f"its 95% upper bound {noise['upper']:.2f}", "--")):
-        ax.plot(ks, (t + z * np.sqrt(2)) * sd / np.sqrt(ks), ls=ls, color="k", label=label)
+        ax.plot(ks, factor * sd / np.sqrt(ks), ls=ls, color="k", label=label)
     for (a, b), color in zip((("mecefo", "none"), ("drop", "none"), ("mecefo", "drop")), sns.color_palette()):
         r = row(t3, main_id("high", a, b))
         if r is not None:

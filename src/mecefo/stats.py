@@ -207,11 +207,23 @@ def interval_word(lo: float, hi: float, pairs: int, tolerance: float = 1.0) -> s
     return f"equal within ±{tolerance:g}" if within else f"not decided with {pairs} seed{'s' if pairs != 1 else ''}"
 
 
+def replication_factor(df: int, level: float = 0.95, agree: float = 0.95) -> float:
+    """t_{df, (1+level)/2} + z_{agree} sqrt 2: the replication half-width of k pairs is this times sd / sqrt(k)."""
+    return float(sps.t.ppf(0.5 + level / 2, df) + sps.norm.ppf(agree) * np.sqrt(2))
+
+
+def seeds_to_clear(distance: float, sd: float, df: int, level: float = 0.95, agree: float = 0.95) -> int | None:
+    """The fewest seeds whose replication half-width is strictly below `distance` at this sd (None: distance <= 0)."""
+    if distance <= 0:
+        return None
+    return int(np.floor((replication_factor(df, level, agree) * sd / distance) ** 2)) + 1
+
+
 def decide(mean: float, pairs: int, noise: Noise, tolerance: float = 1.0, level: float = 0.95,
            agree: float = 0.95, max_seeds: int = 10_000) -> Verdict:
     """The verdict of a mean of `pairs` paired changes (points of %) under the pooled noise (see Verdict).
     Seeds needed: the word is decided once its distance d from the boundary it must clear satisfies
-    d >= (t_{df} + z_{agree} sqrt 2) sd_upper / sqrt(k), i.e. k = ceil(((t + z sqrt 2) sd_upper / d)^2),
+    d >= (t_{df} + z_{agree} sqrt 2) sd_upper / sqrt(k), i.e. k = floor(((t + z sqrt 2) sd_upper / d)^2) + 1 (seeds_to_clear),
     with d = |mean| for a direction and tolerance - |mean| for a size within the tolerance ('equal within ±1', or
     'worse/better by less than 1 point' if the direction is decided too); the smaller of the two."""
     t, z = sps.t.ppf(0.5 + level / 2, noise.df), sps.norm.ppf(agree)
@@ -221,8 +233,8 @@ def decide(mean: float, pairs: int, noise: Noise, tolerance: float = 1.0, level:
     options = [(abs(mean), "direction")] + ([(tolerance - abs(mean), f"within ±{tolerance:g}")]
                                             if abs(mean) < tolerance else [])
     best = None
-    for d, what in options:  # the word needs d > margin strictly: floor + 1, not ceil
-        k = int(np.floor(((t + z * np.sqrt(2)) * noise.upper / d) ** 2)) + 1 if d > 0 else None
+    for d, what in options:
+        k = seeds_to_clear(d, noise.upper, noise.df, level, agree)
         if k is not None and k <= max_seeds and (best is None or k < best[0]):
             best = (max(k, 1), ("worse" if mean > 0 else "better") if what == "direction" else what)
     return Verdict(float(mean), pairs, (float(ci[0]), float(ci[1])), (float(rep[0]), float(rep[1])),
