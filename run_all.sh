@@ -38,6 +38,7 @@ if [ -n "$quick$long" ]; then python -m experiments.variance $quick; fi
 step "cluster-scale throughput simulation (the paper's Table 2, its hypotheses, and 32 to 100k GPUs)"
 python -m experiments.throughput $quick
 python -m experiments.hypotheses $quick
+python -m experiments.table2 $quick   # the words and derived tables of Table 2, decided from the two above
 
 step "analysis: bias and variance, Assumption 3 along training, the O(1/sqrt(nT)) rate"
 python -m analysis.bias_variance $quick

@@ -43,6 +43,7 @@ class Cell:
     seed: int
     techniques: str = "mecefo"
     tag: str = "main"  # main (Table 3, its n-sweep) | fig3 (skip attention vs skip FFN) | asymmetric | frequency
+    #                    | cold (high, MeCeFO, no failure-free warm start: failures from step 0)
     failable: str = ""  # asymmetric: the ranks that can fail (the first node)
 
 
@@ -53,17 +54,18 @@ class Design:
 
     base: str  # the base config, experiments/configs/<base>.toml (global batch split over the n ranks)
     n: int  # the main cells' data-parallel size (32: one rank is one GPU of the paper's cluster)
-    ns: tuple[int, ...]  # the n-sweep: high failures, seed 0
+    ns: tuple[int, ...]  # the n-sweep: high failures, seeds 0 .. n_seeds - 1
     seeds: int  # seeds of every row at the main n
     high_seeds: int  # seeds of the high-level rows that decide the claim: failure-free, mecefo, drop
     node: int  # ranks per node; the asymmetric rows fail only the first node's ranks
     others: bool = True  # also the exact policies of OTHER_POLICIES at high, seed 0
+    n_seeds: int = 1  # seeds of every n of the n-sweep (each paired with failure-free at n = 1 on its seed)
 
 
 DESIGNS = {
     "quick": Design("sweep-quick", 4, (1, 2, 4), 2, 2, 2),
     "default": Design("sweep", 32, (1, 2, 4, 8, 16, 32), 2, 3, 8, others=False),  # within run_all's 90 min
-    "long": Design("sweep", 32, (1, 2, 4, 8, 16, 32), 2, 8, 8),
+    "long": Design("sweep", 32, (1, 2, 4, 8, 16, 32), 2, 8, 8, n_seeds=3),
 }
 FREQUENCIES = (2, 4)  # the higher-frequency rows: high's interval and recovery divided by k (same ratio, 1:4)
 OTHER_POLICIES = ("ndb-exact", "spread", "checkpoint-restart")  # beside the main ones, high, seed 0
@@ -90,13 +92,14 @@ def cells(profile: str, extra: tuple[str, ...] = ()) -> list[Cell]:
         out += [Cell(d.n, level, p, s) for s in seeds for p in ("mecefo", "drop", "spread-mecefo")]
     # the n-sweep at a fixed global batch; failure-free at n = 1 is every n's reference (the same samples;
     # what differs from the main n's is the order of floating-point sums: the trajectory's own sensitivity)
-    out += [Cell(1, "none", "none", 0)]
-    out += [Cell(n, "high", p, 0) for n in d.ns if n > 1 for p in ("mecefo", "drop")]
+    out += [Cell(1, "none", "none", s) for s in range(d.n_seeds)]
+    out += [Cell(n, "high", p, s) for s in range(d.n_seeds) for n in d.ns if n > 1 for p in ("mecefo", "drop")]
     out += [Cell(d.n, "high", p, 0) for p in OTHER_POLICIES if d.others]
     out += [Cell(d.n, "high", "mecefo", s, t, "fig3") for s in seeds for t in ("skip_attention", "skip_ffn")]
     first_node = ",".join(str(r) for r in range(d.node))
     out += [Cell(d.n, "high", p, s, tag="asymmetric", failable=first_node) for s in seeds for p in ("mecefo", "drop")]
     out += [Cell(d.n, frequency_spec(k), "mecefo", s, tag="frequency") for k in FREQUENCIES for s in seeds]
+    out += [Cell(d.n, "high", "mecefo", s, tag="cold") for s in high]  # the estimate without the warm start
     out += [Cell(d.n, level, p, s) for p in extra for level in ("low", "mid", "high") for s in seeds]
     return list(dict.fromkeys(out))  # a cell listed twice runs once
 
@@ -110,7 +113,8 @@ def cell_config(base: str, cell: Cell):
     return config_mod.with_overrides(
         cfg, data={"micro_batch_size": global_batch // cell.n}, train={"seed": cell.seed},
         cluster={"ranks": cell.n, "failures": cell.level, "policy": "mecefo" if cell.policy == "none" else cell.policy,
-                 "techniques": cell.techniques, "failable": cell.failable})
+                 "techniques": cell.techniques, "failable": cell.failable,
+                 **({"failure_free_steps": 0} if cell.tag == "cold" else {})})
 
 
 def run_ppl(out) -> float:

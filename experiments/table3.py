@@ -22,7 +22,8 @@ from mecefo import failures
 from mecefo.errors import UsageError
 from mecefo.records import atomic_write_json, git_commit
 from mecefo.results import RESULTS, load_config, paper_numbers, quick_flag
-from mecefo.stats import Noise, bonferroni_level, block_noise, decide, seeds_to_clear
+from mecefo.stats import (Noise, bonferroni_level, block_noise, decide, paired_relative_change, sample_noise,
+                          seeds_to_clear)
 
 from .common import guarded
 
@@ -31,6 +32,7 @@ TOLERANCE = 1.0  # points of %: "equal within ±1"
 AGREE = 0.95  # the probability with which a rerun's interval must give the same word
 PAPER_DIGITS = 2  # the paper prints perplexities to two decimals
 NONE = ("main", "none", "none", "mecefo")  # failure-free runs: (tag, level, policy, techniques)
+COLD = ("cold", "high", "mecefo", "mecefo")  # MeCeFO at high without the warm start: decided on its own noise
 COMPARISONS = (("mecefo", "none"), ("drop", "none"), ("mecefo", "drop"), ("spread-mecefo", "none"))
 PROFILES = {"quick": ("quick",), "default": ("default", "long")}  # the indices a profile's table reads
 
@@ -89,6 +91,9 @@ def rows(cells: list[dict], n: int) -> list[dict]:
                 for p in ("mecefo", "drop")]
         out.append({"group": group, "comparison": "mecefo − drop", "a": ("frequency", spec, "mecefo", "mecefo"),
                     "b": ("frequency", spec, "drop", "mecefo")})
+    if any(c["tag"] == "cold" for c in at):
+        out.append({"group": "high, no warm start (failures from step 0)", "comparison": "mecefo − failure-free",
+                    "a": COLD, "b": NONE, "own_noise": True})
     att, ffn = ("fig3", "high", "mecefo", "skip_attention"), ("fig3", "high", "mecefo", "skip_ffn")
     out += [{"group": "high", "comparison": "skip attention − failure-free", "a": att, "b": NONE, "figure3": True},
             {"group": "high", "comparison": "skip FFN − failure-free", "a": ffn, "b": NONE, "figure3": True},
@@ -131,17 +136,22 @@ def warm_start_share(base: str) -> dict:
     return {"steps": k, "of": steps, "lr_weighted_share": float(lrs[:k].sum() / lrs.sum())}
 
 
-def n_sweep(cells: list[dict]) -> list[dict]:
-    """Per n: mecefo's and drop's change at high failures (seed 0) against failure-free training at n = 1 (the
-    same samples at every n), the reference of every n alike."""
-    main = {(c["n"], c["level"], c["policy"]): c["val_ppl"] for c in cells if c["tag"] == "main" and c["seed"] == 0}
-    ref = main.get((1, "none", "none"))
+def n_sweep(cells: list[dict], level: float = 0.95) -> list[dict]:
+    """Per n: mecefo's and drop's change at high failures against failure-free training at n = 1 (the same
+    samples at every n), paired by seed over the seeds that ran both; with two or more seeds the mean's Student-t
+    interval from those differences alone (the n-sweep's own noise)."""
+    main = {(c["n"], c["level"], c["policy"], c["seed"]): c["val_ppl"] for c in cells if c["tag"] == "main"}
+    refs = {s: v for (n, lvl, p, s), v in main.items() if (n, lvl, p) == (1, "none", "none")}
     out = []
-    for n in sorted({c["n"] for c in cells if c["tag"] == "main" and c["seed"] == 0}):
-        row = {"n": n, "failure_free_ppl": ref}
+    for n in sorted({n for (n, lvl, _, _) in main if n == 1 or lvl == "high"}):
+        row = {"n": n, "failure_free_ppl": refs.get(0)}
         for p in ("mecefo", "drop"):
-            v = main.get((n, "high", p))
-            row[p] = None if v is None or ref is None else 100 * (v / ref - 1)
+            pairs = [(main[(n, "high", p, s)], refs[s]) for s in sorted(refs) if (n, "high", p, s) in main]
+            if not pairs:
+                row[p] = row[f"{p}_ci"] = None
+                continue
+            ch = paired_relative_change([a for a, _ in pairs], [b for _, b in pairs], level)
+            row[p], row[f"{p}_ci"], row[f"{p}_seeds"] = ch.mean, (list(ch.ci) if ch.pairs > 1 else None), ch.pairs
         out.append(row)
     return out
 
@@ -169,7 +179,8 @@ def decide_table(cells: list[dict], meta: dict, level: float = 0.95) -> dict:
     first = next(iter(meta.values()))
     n = int(first["design"]["n"])
     at = [c for c in cells if c["n"] == n]
-    noise = block_noise([(key(c) + (c["failable"],), c["seed"], c["val_ppl"]) for c in at], level)
+    # the cold runs' early, chaotic plateau escape is not the pooled rows' noise: they are left out of it
+    noise = block_noise([(key(c) + (c["failable"],), c["seed"], c["val_ppl"]) for c in at if c["tag"] != "cold"], level)
     by = {}
     for c in at:
         twin = by.setdefault(key(c), {}).get(c["seed"])
@@ -185,16 +196,21 @@ def decide_table(cells: list[dict], meta: dict, level: float = 0.95) -> dict:
         if not seeds:
             continue
         d = np.array([100 * (xa[s]["val_ppl"] / xb[s]["val_ppl"] - 1) for s in seeds])
-        v = decide(float(d.mean()), len(seeds), noise, TOLERANCE, level, AGREE)
+        if r.get("own_noise") and len(d) < 2:
+            continue
+        row_noise = sample_noise(d, level) if r.get("own_noise") else noise
+        v = decide(float(d.mean()), len(seeds), row_noise, TOLERANCE, level, AGREE)
         # a run listed by the default index is the default's; the long profile's own runs are its extra seeds
         profiles = {c["profiles"][0] for s in seeds for c in (xa[s], xb[s])}
         table.append({**{k: r[k] for k in ("id", "group", "comparison")}, "figure3": r.get("figure3", False),
                       "seeds": seeds, "differences": d.tolist(), "sample_sd": float(d.std(ddof=1)) if len(d) > 1 else None,
-                      "profile": "long" if "long" in profiles else profiles.pop(), **asdict(v)})
+                      "profile": "long" if "long" in profiles else profiles.pop(), **asdict(v),
+                      "noise": "pooled" if row_noise is noise else asdict(row_noise)})
     family = len(table)
     fam_level = bonferroni_level(level, family)
     for row in table:
-        row["word_family"] = decide(row["mean"], row["pairs"], noise, TOLERANCE, fam_level, AGREE).word
+        row_noise = noise if row["noise"] == "pooled" else Noise(**row["noise"])
+        row["word_family"] = decide(row["mean"], row["pairs"], row_noise, TOLERANCE, fam_level, AGREE).word
     paper = {}
     for lvl in LEVELS[1:]:
         main = next((row for row in table if row["id"] == f"main:{lvl}:mecefo:mecefo/{':'.join(NONE)}"), None)
@@ -207,10 +223,12 @@ def decide_table(cells: list[dict], meta: dict, level: float = 0.95) -> dict:
     cfg = load_config(base)
     keep = ("tag", "n", "level", "policy", "techniques", "failable", "seed", "run", "val_ppl", "profiles", "wall_time_s")
     hours = (cfg.train.steps - cfg.cluster.failure_free_steps) * cfg.cluster.seconds_per_step / 3600
+    cold_hours = cfg.train.steps * cfg.cluster.seconds_per_step / 3600
     return {"n": n, "noise": asdict(noise), "tolerance": TOLERANCE, "level": level, "agree": AGREE,
             "family": family, "family_level": fam_level, "rows": table, "paper": paper, "n_sweep": n_sweep(cells),
             "cells": [{k: c.get(k) for k in keep} for c in cells],
-            "resolution": resolution(paper, noise, at, n, level), "warm_start": warm_start_share(base), "failure_hours": hours, "indices": meta, "base_config": base,
+            "resolution": resolution(paper, noise, at, n, level), "warm_start": warm_start_share(base), "failure_hours": hours,
+            "cold_failure_hours": cold_hours, "indices": meta, "base_config": base,
             "resolved_base_config": cfg.to_dict(), "git_commit": git_commit()}
 
 

@@ -218,3 +218,16 @@ def test_the_reported_perplexity_is_the_mean_loss_of_the_last_evaluations():
     assert last_evaluations_ppl(rows, 99) == pytest.approx(math.exp(sum(5.0 - s / 100 for s in range(0, 101, 25)) / 5))
     with pytest.raises(ValueError, match="no validation"):
         last_evaluations_ppl([{"step": 1, "loss": 2.0}])
+
+
+def test_a_rows_own_noise_is_its_sample_sd_with_a_chi_square_upper_bound():
+    from scipy import stats as sps
+
+    from mecefo.stats import sample_noise
+
+    noise = sample_noise([1.0, 2.0, 4.0])
+    sd = np.std([1.0, 2.0, 4.0], ddof=1)
+    assert noise.df == 2 and np.isclose(noise.sd, sd)
+    assert np.isclose(noise.upper, sd * np.sqrt(2 / sps.chi2.ppf(0.05, 2))) and noise.upper > sd
+    with pytest.raises(ValueError):
+        sample_noise([1.0])

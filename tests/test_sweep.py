@@ -37,7 +37,7 @@ def test_the_extra_rows_keep_the_high_scenarios_failed_fraction_or_its_arrival_r
 def test_the_long_profile_only_adds_cells_to_the_default():
     assert set(sweep.cells("default")) < set(sweep.cells("long"))
     extra = set(sweep.cells("long")) - set(sweep.cells("default"))
-    deciding = {("none", "none", "main"), ("high", "mecefo", "main"), ("high", "drop", "main")}
+    deciding = {("none", "none", "main"), ("high", "mecefo", "main"), ("high", "drop", "main"), ("high", "mecefo", "cold")}
     assert {(c.level, c.policy, c.tag) for c in extra} <= deciding | {("high", p, "main") for p in sweep.OTHER_POLICIES}
 
 
@@ -45,6 +45,8 @@ def test_a_cell_at_n_32_holds_one_sequence_per_rank_after_the_shared_warm_start(
     cfg = sweep.cell_config("sweep", sweep.Cell(32, "high", "mecefo", 3))
     assert (cfg.cluster.ranks, cfg.data.micro_batch_size, cfg.train.seed) == (32, 1, 3)
     assert cfg.cluster.failure_free_steps == 100 and cfg.data.val_windows == 0
+    cold = sweep.cell_config("sweep", sweep.Cell(32, "high", "mecefo", 3, tag="cold"))
+    assert cold.cluster.failure_free_steps == 0 and cold.hash() != cfg.hash()  # the estimate without the warm start
     free = sweep.cell_config("sweep", sweep.Cell(32, "none", "none", 3))
     assert free.cluster.failures == "none"
     with pytest.raises(ValueError, match="does not split"):

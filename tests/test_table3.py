@@ -92,3 +92,32 @@ def test_two_configs_for_one_cell_are_refused(results):
     cells, meta = table3.load_cells("default")
     with pytest.raises(UsageError, match="different configs"):
         table3.decide_table(cells, meta)
+
+
+def test_the_cold_start_row_is_decided_on_its_own_noise_and_left_out_of_the_pooled_one(results):
+    tmp, _ = results
+    path = tmp / "sweep" / "index-default.json"
+    base = json.loads(path.read_text())
+    before = table3.decide_table(*table3.load_cells("default"))["noise"]
+    none = {c["seed"]: c["val_ppl"] for c in base["cells"] if c["level"] == "none"}
+    swings = {0: 1.0, 1: 9.0, 2: 3.0}  # a chaotic early plateau: differences far noisier than the pooled rows'
+    base["cells"] += [cell("high", "mecefo", s, none[s] * (1 + swings[s] / 100), tag="cold") for s in range(3)]
+    path.write_text(json.dumps(base))
+    out = table3.decide_table(*table3.load_cells("default"))
+    assert out["noise"] == before  # the pooled noise does not see the cold runs
+    row = {r["id"]: r for r in out["rows"]}["cold:high:mecefo:mecefo/main:none:none:mecefo"]
+    assert row["noise"]["df"] == 2 and abs(row["noise"]["sd"] - np.std([1.0, 9.0, 3.0], ddof=1)) < 1e-9
+    assert row["ci"][1] - row["ci"][0] > 10  # its own wide interval, not the pooled one
+
+
+def test_the_n_sweep_pairs_every_n_with_failure_free_at_n1_by_seed():
+    ref = {0: 100.0, 1: 110.0, 2: 90.0}
+    cells = [cell("none", "none", s, v, n=1) for s, v in ref.items()]
+    cells += [cell("high", "mecefo", s, ref[s] * (1 + (2.0 + s) / 100), n=4) for s in range(3)]
+    cells += [cell("high", "drop", 0, ref[0] * 1.05, n=4)]
+    rows = {r["n"]: r for r in table3.n_sweep(cells)}
+    assert set(rows) == {1, 4} and rows[4]["failure_free_ppl"] == 100.0
+    assert abs(rows[4]["mecefo"] - 3.0) < 1e-9 and rows[4]["mecefo_seeds"] == 3
+    lo, hi = rows[4]["mecefo_ci"]
+    assert lo < 3.0 < hi
+    assert abs(rows[4]["drop"] - 5.0) < 1e-9 and rows[4]["drop_ci"] is None  # one seed: a point, no interval

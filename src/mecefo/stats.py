@@ -178,6 +178,16 @@ def block_noise(runs: list[tuple[object, int, float]], level: float = 0.95) -> N
     return Noise(sd, df, float(sd * np.sqrt(df / sps.chi2.ppf(1 - level, df))), level, len(runs))
 
 
+def sample_noise(differences, level: float = 0.95) -> Noise:
+    """The noise of a row decided on its own: the sample sd of its k paired differences (k - 1 df), with the
+    same chi-square upper bound as block_noise. For a row whose runs do not share the pooled rows' variance."""
+    d = np.asarray(differences, dtype=np.float64)
+    if len(d) < 2:
+        raise ValueError("a row's own noise needs at least two paired differences")
+    sd, df = float(d.std(ddof=1)), len(d) - 1
+    return Noise(sd, df, float(sd * np.sqrt(df / sps.chi2.ppf(1 - level, df))), level, len(d))
+
+
 @dataclass(frozen=True)
 class Verdict:
     """A paired comparison decided so that a rerun elsewhere (new rounding: in effect new draws of every seed)
