@@ -1,4 +1,4 @@
-"""Theorem 1's O(1/sqrt(nT)) rate on the GPT itself, in the theory's regime: near a stationary point.
+"""Theorem 1's O(1/sqrt(nT)) rate on the GPT itself, from a trained checkpoint (an attempt at the theory's regime).
 
     python -m experiments.rate_gpt [--quick]
 
@@ -15,7 +15,10 @@ drop and MeCeFO runs at n = 1 are the failure-free run and are not repeated.
 
 f is the loss over the held-out population; its gradient is estimated at K + 1 evenly spaced iterates
 (t = 0, T/K, ..., T) from HELD_OUT_WINDOWS fixed validation windows, split into two disjoint halves
-(`held_out_gradient_sq`), so that the squared norm is estimated without the estimator's own variance.
+(`held_out_gradient_sq`), so that the squared norm is estimated without the upward bias of the plug-in
+estimate's own variance. At the checkpoint the estimate is also taken with other splits (`split_check`: how
+much neighbouring windows' correlation and the choice of held-out text move it), and one cell is rerun at
+smaller C (`step_sweep`: how much of the level the step size sets).
 Writes one record per run to results/rate_gpt/rate_gpt-<profile>.json (reused run by run while the grid and
 the code are unchanged); `python -m analysis.rate` fits the slopes against nT and words them.
 """
@@ -32,9 +35,11 @@ from tqdm import tqdm
 
 from mecefo.records import atomic_write_json, git_commit, stable_hash
 from mecefo.results import measurement, quick_flag, sources_digest
+from mecefo.data import TokenData
+from mecefo.model import GPT, preset
 from mecefo.train import Run
 
-from .common import guarded, load_config, run_dir
+from .common import RESULTS, guarded, load_config, run_dir
 
 C = 0.3  # eta = C sqrt(n / T): at most 0.19 (n = 16, T = 40)
 PER_RANK_BATCH = 4  # sequences of 64 tokens
@@ -44,7 +49,9 @@ HELD_OUT_WINDOWS = 512  # of the validation split's 1921 windows of 64 tokens; t
 REFERENCE_STEPS = {"quick": 300, "default": 2000}
 POLICIES = {"failure-free": ("none", "mecefo"), "drop": ("high", "drop"), "mecefo": ("high", "mecefo")}
 SOURCES = ("experiments/rate_gpt.py", "src/mecefo/train.py", "src/mecefo/cluster.py", "src/mecefo/neighbour.py",
-           "src/mecefo/model.py", "src/mecefo/failures.py", "src/mecefo/policies")
+           "src/mecefo/model.py", "src/mecefo/failures.py", "src/mecefo/policies", "src/mecefo/data.py",
+           "src/mecefo/config.py", "src/mecefo/checkpoint.py")
+STEP_SWEEP = {"quick": {"n": 2, "T": 50, "Cs": [0.03, 0.1]}, "default": {"n": 4, "T": 126, "Cs": [0.03, 0.1]}}  # + C
 
 
 def grid(quick: bool) -> dict:
@@ -53,13 +60,29 @@ def grid(quick: bool) -> dict:
     return {"ns": [1, 2, 4, 8, 16], "ts": [40, 126, 400], "seeds": [0, 1, 2]}
 
 
+def reference_config(quick: bool):
+    steps = REFERENCE_STEPS["quick" if quick else "default"]
+    return load_config("nano", steps=steps, eval_every=steps, checkpoint_every=0, warmup_steps=50, seed=0,
+                       val_windows=HELD_OUT_WINDOWS)
+
+
+def split_check(quick: bool, start: Path) -> dict:
+    """The two-halves estimate at the checkpoint under each of SPLITS: against interleaved blocks, what the
+    correlation of neighbouring windows adds to the alternating split; against the first and last half, how much
+    the held-out texts' gradients differ."""
+    cfg = reference_config(quick)
+    data = TokenData(cfg.data)
+    model = GPT(preset("nano", vocab_size=data.vocab_size))
+    model.load_state_dict(torch.load(start, map_location="cpu", weights_only=False)["model"])
+    return {k: held_out_gradient_sq(model, data, k) for k in SPLITS}
+
+
 def reference(quick: bool) -> tuple[Path, list[dict]]:
     """The trained starting point: a failure-free nano run (the nano config's AdamW and cosine schedule),
     made once (its checkpoint reused), with the held-out squared gradient norm measured along it at
     doubling steps: whether training approaches a stationary point at all."""
-    steps = REFERENCE_STEPS["quick" if quick else "default"]
-    cfg = load_config("nano", steps=steps, eval_every=steps, checkpoint_every=0, warmup_steps=50, seed=0,
-                      val_windows=HELD_OUT_WINDOWS)
+    cfg = reference_config(quick)
+    steps = cfg.train.steps
     out = run_dir("rate_gpt", cfg)
     curve_path = out / "grad_sq_curve.json"
     if curve_path.exists() and (out / "checkpoint.pt").exists():
@@ -79,16 +102,25 @@ def reference(quick: bool) -> tuple[Path, list[dict]]:
     return out / "checkpoint.pt", curve
 
 
-def held_out_gradient_sq(model, data) -> dict:
+SPLITS = {  # how the held-out windows (in text order) are assigned to the two halves
+    "alternate": lambda i: i % 2 == 0,  # even / odd windows (the experiment's)
+    "blocks64": lambda i: (i // 64) % 2 == 0,  # interleaved blocks of 64 windows: correlated neighbours on one side
+    "first_last": lambda i: i < len(i) // 2,  # the split's first and second half (for Shakespeare, largely two plays)
+}
+
+
+def held_out_gradient_sq(model, data, split: str = "alternate") -> dict:
     """Three estimates of ||grad f(x)||^2 from the gradients g_A, g_B of the mean loss over two disjoint
-    halves of the held-out windows (even and odd windows):
-        unbiased  g_A . g_B              E = ||grad f||^2 (the halves are independent draws of windows)
+    halves of the held-out windows (SPLITS[split] chooses them):
+        unbiased  g_A . g_B              E = ||grad f||^2 if the halves are independent draws of windows
+                                          (neighbouring windows of one text are positively correlated, which
+                                          biases it upward; split_check measures that)
         floor     ||g_A - g_B||^2 / 4    E = tr(Sigma) / W, the variance of the mean over all W windows
         plug-in   ||(g_A + g_B) / 2||^2  = unbiased + floor: the squared norm of the full-sample gradient,
                                           biased upward by its own variance."""
     x, y = next(data.eval_batches("val", batch=HELD_OUT_WINDOWS))
-    halves = []
-    for idx in (slice(0, None, 2), slice(1, None, 2)):
+    halves, first = [], SPLITS[split](np.arange(len(x)))
+    for idx in (first, ~first):
         model.zero_grad(set_to_none=True)
         xs, ys = torch.from_numpy(x[idx]), torch.from_numpy(y[idx])
         for i in range(0, len(xs), 64):
@@ -100,9 +132,9 @@ def held_out_gradient_sq(model, data) -> dict:
     return {"unbiased": float(a @ b), "floor": float(((a - b) ** 2).sum() / 4), "plug_in": float(((a + b) ** 2).sum() / 4)}
 
 
-def one_run(policy: str, n: int, steps: int, seed: int, start: Path) -> dict:
+def one_run(policy: str, n: int, steps: int, seed: int, start: Path, c: float = C) -> dict:
     level, name = POLICIES[policy]
-    cfg = load_config("nano", **{"optimizer": "sgd", "momentum": 0.9, "lr": C * (n / steps) ** 0.5, "warmup_steps": 0,
+    cfg = load_config("nano", **{"optimizer": "sgd", "momentum": 0.9, "lr": c * (n / steps) ** 0.5, "warmup_steps": 0,
                                  "min_lr_ratio": 1.0, "grad_clip": 0.0, "micro_batch_size": PER_RANK_BATCH,
                                  "val_windows": HELD_OUT_WINDOWS, "steps": steps, "seed": seed, "eval_every": steps,
                                  "checkpoint_every": 0, "ranks": n, "failures": level, "policy": name,
@@ -122,7 +154,7 @@ def one_run(policy: str, n: int, steps: int, seed: int, start: Path) -> dict:
             failed_steps += bool(plan.failed)
     training.metrics.close()
     per_point = {k: [e[k] for e in estimates] for k in estimates[0]}
-    return {"policy": policy, "n": n, "T": steps, "seed": seed, "lr": cfg.optim.lr, "config_hash": cfg.hash(),
+    return {"policy": policy, "n": n, "T": steps, "seed": seed, "C": c, "lr": cfg.optim.lr, "config_hash": cfg.hash(),
             "points": points, **{f"grad_sq_{k}": v for k, v in per_point.items()},
             "avg_grad_sq": float(np.mean(per_point["unbiased"])), "avg_grad_sq_plug_in": float(np.mean(per_point["plug_in"])),
             "failed_step_fraction": failed_steps / steps, "final_loss": row["loss"]}
@@ -133,21 +165,33 @@ def main(argv: list[str] | None = None) -> int:
     g = grid(quick)
     path = measurement("rate_gpt", "rate_gpt", quick)
     start, curve = reference(quick)
+    splits = split_check(quick, start)
+    sweep = STEP_SWEEP["quick" if quick else "default"]
     key = stable_hash({"grid": g, "C": C, "batch": PER_RANK_BATCH, "s": SECONDS_PER_STEP, "K": EVAL_POINTS,
-                       "W": HELD_OUT_WINDOWS, "reference": REFERENCE_STEPS, "sources": sources_digest(SOURCES)})
+                       "W": HELD_OUT_WINDOWS, "reference": REFERENCE_STEPS, "step_sweep": sweep,
+                       "sources": sources_digest(SOURCES)})
     old = json.loads(path.read_text()) if path.exists() else {}
     done = {(r["policy"], r["n"], r["T"], r["seed"]): r for r in old.get("runs", [])} if old.get("key") == key else {}
     cells = [(p, n, t, s) for p in POLICIES for n in g["ns"] for t in g["ts"] for s in g["seeds"]
              if p == "failure-free" or n > 1]
-    runs = []
-    for cell in tqdm(cells, desc="rate on the GPT", disable=not sys.stderr.isatty()):
-        runs.append(done.get(cell) or one_run(*cell, start))
+    swept = {r["C"]: r for r in old.get("step_sweep", [])} if old.get("key") == key else {}
+    runs, step_sweep = [], []
+
+    def write() -> None:  # after every run: an interruption keeps them
         atomic_write_json(path, {"key": key, "grid": g, "C": C, "per_rank_batch": PER_RANK_BATCH,
                                  "seconds_per_step": SECONDS_PER_STEP, "eval_points": EVAL_POINTS,
-                                 "held_out_windows": HELD_OUT_WINDOWS, "reference": str(start.parent),
+                                 "held_out_windows": HELD_OUT_WINDOWS, "reference": str(start.parent.relative_to(RESULTS)),
                                  "reference_steps": REFERENCE_STEPS["quick" if quick else "default"],
-                                 "reference_curve": curve,
-                                 "git_commit": git_commit(), "runs": runs})  # after every run: an interruption keeps them
+                                 "reference_curve": curve, "split_check": splits, "step_sweep_cell": sweep, "step_sweep": step_sweep,
+                                 "complete": len(runs) == len(cells) and len(step_sweep) == len(sweep["Cs"]),
+                                 "git_commit": git_commit(), "runs": runs})
+
+    for cell in tqdm(cells, desc="rate on the GPT", disable=not sys.stderr.isatty()):
+        runs.append(done.get(cell) or one_run(*cell, start))
+        write()
+    for c in sweep["Cs"]:  # the same cell at smaller C (failure-free, seed 0)
+        step_sweep.append(swept.get(c) or one_run("failure-free", sweep["n"], sweep["T"], 0, start, c))
+        write()
     print(f"{len(runs)} runs -> {path}")
     return 0
 

@@ -215,19 +215,21 @@ def with_derived(result: dict, hyp_result: dict) -> dict:
 
 def fit_sentence(result: dict) -> str:
     fit = result["bamboo_fit"]
+    on = fit.get("fitted_on", MODELS[-1])
     if fit["factor"] is None:
-        return "No factor on Bamboo's reconfiguration times reproduces the paper's 7B Bamboo drop (none was fitted)."
+        return f"No factor on Bamboo's reconfiguration times reproduces the paper's {on} Bamboo drop (none was fitted)."
+    others = [m for m in in_order(result["table2"]) if m != on]
     return (f"Every constant comes from the public simulators, except one fitted row: Bamboo's reconfiguration times "
-            f"scaled by {fit['factor']:.3f}, the factor at which the 7B drop equals the paper's {fit['target_pct']:.2f}%; "
-            "its 350M and 1B rows are predictions.")
+            f"scaled by {fit['factor']:.3f}, the factor at which the {on} drop equals the paper's {fit['target_pct']:.2f}%; "
+            f"its {' and '.join(others)} rows are predictions.")
 
 
 def hypotheses_table(hyp: dict, t2: dict, bound: dict) -> tuple[list[str], list[list[str]], list[str], list[list[str]]]:
     """The derived tables as header and rows of cells: per hypothesis the value each model needs and the
-    plausibility sentence (7B), the bound's row; then each technique set's c and bound."""
+    plausibility sentence (for the largest model), the bound's row; then each technique set's c and bound."""
     models = list(hyp)
     header = ["hypothesis", "parameter (ours)", *(f"{m} (paper {100 * hyp[m]['target']:.2f}%)" for m in models),
-              "plausibility (7B)"]
+              f"plausibility ({models[-1]})"]
     ours = {"H1": f"{t2['_horizon_s'] / 3600:g} h, stationary", "H2": "s = 0", "H3": "alpha = " + "/".join(f"{hyp[m]['alpha_1']:.3f}" for m in models),
             "H4": "1 GPU", "H5": "none (MeCeFO's neighbour covers alone)"}
     rows = [[f"{key} {label}", ours[key], *(needed(hyp[m], key) for m in models), plausibility(key, models[-1], hyp, t2, bound)]

@@ -156,6 +156,16 @@ def n_sweep(cells: list[dict], level: float = 0.95) -> list[dict]:
     return out
 
 
+def n_alone(cells: list[dict], n: int) -> dict | None:
+    """Failure-free at the main n against n = 1 (seed 0, the same samples): whether n by itself changes the
+    result (only the order of floating-point sums can differ)."""
+    ff = {c["n"]: c["val_ppl"] for c in cells if c["tag"] == "main" and c["level"] == "none" and c["seed"] == 0}
+    if n == 1 or 1 not in ff or n not in ff:
+        return None
+    change = 100 * (ff[n] / ff[1] - 1)
+    return {"n": n, "change_pct": change, "identical": ff[n] == ff[1]}
+
+
 def resolution(paper: dict, noise: Noise, cells: list[dict], n: int, level: float = 0.95) -> dict:
     """What deciding the paper's low and mid effects would take if they held here: seeds per row for a size within
     the tolerance and for a direction (mecefo.stats.decide's closed form at the sd's upper bound), and the hours of
@@ -199,7 +209,7 @@ def decide_table(cells: list[dict], meta: dict, level: float = 0.95) -> dict:
         if r.get("own_noise") and len(d) < 2:
             continue
         row_noise = sample_noise(d, level) if r.get("own_noise") else noise
-        v = decide(float(d.mean()), len(seeds), row_noise, TOLERANCE, level, AGREE)
+        v = decide(float(d.mean()), len(seeds), row_noise, TOLERANCE, level, AGREE, own=bool(r.get("own_noise")))
         # a run listed by the default index is the default's; the long profile's own runs are its extra seeds
         profiles = {c["profiles"][0] for s in seeds for c in (xa[s], xb[s])}
         table.append({**{k: r[k] for k in ("id", "group", "comparison")}, "figure3": r.get("figure3", False),
@@ -210,7 +220,8 @@ def decide_table(cells: list[dict], meta: dict, level: float = 0.95) -> dict:
     fam_level = bonferroni_level(level, family)
     for row in table:
         row_noise = noise if row["noise"] == "pooled" else Noise(**row["noise"])
-        row["word_family"] = decide(row["mean"], row["pairs"], row_noise, TOLERANCE, fam_level, AGREE).word
+        row["word_family"] = decide(row["mean"], row["pairs"], row_noise, TOLERANCE, fam_level, AGREE,
+                                    own=row["noise"] != "pooled").word
     paper = {}
     for lvl in LEVELS[1:]:
         main = next((row for row in table if row["id"] == f"main:{lvl}:mecefo:mecefo/{':'.join(NONE)}"), None)
@@ -226,7 +237,9 @@ def decide_table(cells: list[dict], meta: dict, level: float = 0.95) -> dict:
     cold_hours = cfg.train.steps * cfg.cluster.seconds_per_step / 3600
     return {"n": n, "noise": asdict(noise), "tolerance": TOLERANCE, "level": level, "agree": AGREE,
             "family": family, "family_level": fam_level, "rows": table, "paper": paper, "n_sweep": n_sweep(cells),
-            "cells": [{k: c.get(k) for k in keep} for c in cells],
+            "cells": [{k: c.get(k) for k in keep} for c in cells], "n_alone": n_alone(cells, n),
+            # at one sequence per rank spread-mecefo cannot split a failed rank's rows over survivors
+            "spread_splits_rows": cfg.data.micro_batch_size // n > 1,
             "resolution": resolution(paper, noise, at, n, level), "warm_start": warm_start_share(base), "failure_hours": hours,
             "cold_failure_hours": cold_hours, "indices": meta, "base_config": base,
             "resolved_base_config": cfg.to_dict(), "git_commit": git_commit()}

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from mecefo import config as config_mod
 from mecefo.records import atomic_write_json, git_commit
 from mecefo.results import measurement, quick_flag
-from mecefo.stats import paired_relative_change
+from mecefo.stats import paired_relative_change, seeds_needed
 from mecefo.train import run
 
 from .common import guarded, run_dir
@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         row = {"seeds": k, "ppl_sd": {p: float(v.std(ddof=1)) for p, v in get.items()}}
         for a, b in (("mecefo", "none"), ("drop", "none"), ("mecefo", "drop")):
             r = paired_relative_change(get[a], get[b])
-            row[f"{a}-{b}"] = {"mean": r.mean, "sd": r.sd, "ci95": list(r.ci)}
+            row[f"{a}-{b}"] = {"mean": r.mean, "sd": r.sd, "ci95": list(r.ci),
+                               "seeds_for_1": seeds_needed(r.sd)}  # a 95% t-interval of half-width 1 point at this sd
         out[f] = row
     path = measurement("variance", "variance", quick)
     atomic_write_json(path, {"base_config": base, "n": n, "level": "high", "factors": out, "git_commit": git_commit()})

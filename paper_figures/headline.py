@@ -80,7 +80,7 @@ def theory(grad: dict | None, rate: dict | None) -> list[str]:
                                                 for p, f in fits.items()) + ".")
         gpt = rate.get("gpt_rate")
         if gpt:
-            lines.append("- **The rate on the GPT** (from a trained checkpoint, unbiased held-out gradient; fitted slope "
+            lines.append("- **The rate on the GPT** (from a trained checkpoint, two-halves estimate of the held-out gradient; fitted slope "
                          "against nT): " + "; ".join(f"{p} {f['unbiased']['slope']:+.3f} [{f['unbiased']['ci95'][0]:+.3f}, "
                                                     f"{f['unbiased']['ci95'][1]:+.3f}]" for p, f in sorted(gpt["fits"].items(), key=lambda
                                                     kv: POLICIES.index(kv[0])) if f["unbiased"]) + ". " + gpt["verdict"])

@@ -1,5 +1,5 @@
-"""Figures of the O(1/sqrt(nT)) check: the synthetic problem's fitted slopes against -1/2, the GPT in the
-theory's regime (fitted slopes per policy, table rate_gpt.md), and the GPT sweep's failure-free curves
+"""Figures of the O(1/sqrt(nT)) check: the synthetic problem's fitted slopes against -1/2, the GPT from a
+trained checkpoint (fitted slopes per policy and what analysis.rate measured about the regime, table rate_gpt.md), and the GPT sweep's failure-free curves
 against n x step (from results/analysis/rate-<profile>.json only).
 
     python -m paper_figures.rate [--quick]
@@ -51,7 +51,7 @@ def gpt_table(gpt: dict) -> str:
              "SGD, eta = C sqrt(n/T), per-rank batch fixed)\n",
              "| policy | slope of (1/T) sum ‖grad f(x_t)‖² against nT (unbiased), 95% interval | word | plug-in estimate's slope | "
              "slope of the excess over the start |", "|---|---|---|---|---|"]
-    for p in POLICIES:
+    for p in (p for p in POLICIES if p in gpt["fits"]):
         f = gpt["fits"][p]
         lines.append(f"| {p} | {_slope(f['unbiased'])} | {f['unbiased']['word'] if f['unbiased'] else 'not fitted'} | "
                      f"{_slope(f['plug_in'])} | {_slope(f['excess_over_start'])} |")

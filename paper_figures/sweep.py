@@ -139,7 +139,7 @@ def ppl_vs_level(t3: dict):
 
 def n_sweep_markdown(t3: dict) -> str:
     seeds = max((r.get(f"{p}_seeds") or 0 for r in t3["n_sweep"] for p in ("mecefo", "drop")), default=0)
-    lines = [f"# n-sweep at a fixed global batch, high failures, {seeds} seed(s) per n\n",
+    lines = [f"# n-sweep at a fixed global batch, high failures, up to {seeds} seed(s) per n\n",
              "Every n against failure-free training at n = 1 (the same samples at every n), paired by seed; the failure "
              "schedule differs between n (Table 1's per-rank rate on n ranks draws different events), so n and the "
              "schedule are confounded" + (": each point is one run, not a mean.\n" if seeds < 2 else
@@ -152,8 +152,9 @@ def n_sweep_markdown(t3: dict) -> str:
         ci = r.get(f"{p}_ci")
         return f"{r[p]:+.2f}" + (f" [{ci[0]:+.2f}, {ci[1]:+.2f}] ({r[f'{p}_seeds']} seeds)" if ci else "")
 
-    lines += [f"| {r['n']} | {r['failure_free_ppl']:.2f} | {f(r, 'mecefo')} | {f(r, 'drop')} |" for r in t3["n_sweep"]
-              if r["failure_free_ppl"] is not None]
+    ppl = lambda v: "" if v is None else f"{v:.2f}"  # noqa: E731
+    lines += [f"| {r['n']} | {ppl(r['failure_free_ppl'])} | {f(r, 'mecefo')} | {f(r, 'drop')} |" for r in t3["n_sweep"]
+              if r["failure_free_ppl"] is not None or r["mecefo"] is not None or r["drop"] is not None]
     return "\n".join(lines) + "\n"
 
 
@@ -225,17 +226,17 @@ def power_figure(t3: dict):
     return fig
 
 
-def trajectory_spread(df: pd.DataFrame, n: int) -> str:
-    ff = df[(df["tag"] == "main") & (df["level"] == "none") & (df["seed"] == 0)].set_index("n")["val_ppl"]
-    if 1 not in ff.index or n not in ff.index or n == 1:
+def trajectory_spread(t3: dict) -> str:
+    same = t3.get("n_alone")  # experiments.table3.n_alone
+    if same is None:
         return ""
-    change = 100 * (ff[n] / ff[1] - 1)
-    if abs(change) < 1e-9:
-        return (f"Failure-free training at n = {n} and at n = 1 (seed 0, the same samples) reach the same perplexity to "
-                "the last digit: the batched backend performs the same sums, so n alone changes nothing; every "
+    if same["identical"]:
+        return (f"Failure-free training at n = {same['n']} and at n = 1 (seed 0, the same samples) reach the same perplexity "
+                "to the last digit: the batched backend performs the same sums, so n alone changes nothing; every "
                 "difference in the tables comes from the failures and the policy.")
-    return (f"Failure-free training at n = {n} against n = 1 (seed 0, the same samples; only the order of floating-point "
-            f"sums differs): {change:+.2f}%, the trajectory's own sensitivity to a perturbation of rounding size.")
+    return (f"Failure-free training at n = {same['n']} against n = 1 (seed 0, the same samples; only the order of "
+            f"floating-point sums differs): {same['change_pct']:+.2f}%, the trajectory's own sensitivity to a perturbation "
+            "of rounding size.")
 
 
 def against_paper(t3: dict) -> str:
@@ -249,7 +250,7 @@ def against_paper(t3: dict) -> str:
 
 def spread_words(t3: dict) -> str:
     n = t3["n"]
-    if t3["resolved_base_config"]["data"]["micro_batch_size"] // n > 1:
+    if t3.get("spread_splits_rows", True):  # experiments.table3 decides it
         return ""
     return ("\nAt n = " + str(n) + " a rank holds one sequence, which spread-mecefo cannot split by rows: it gives each "
             "failed rank's sequence to one survivor, with the techniques on that extra sequence only (MeCeFO's "
@@ -299,9 +300,9 @@ def cold_words(t3: dict) -> str:
     nz = cold["noise"]
     return (f"Without the warm start (failures from step 0, {t3['cold_failure_hours']:.1f} h of them per run), MeCeFO − "
             f"failure-free at high is {cold['mean']:+.2f}% [{cold['ci'][0]:+.2f}, {cold['ci'][1]:+.2f}] *{cold['word']}* "
-            f"({cold['pairs']} seeds; its own noise, sd {nz['sd']:.2f} with {nz['df']} df, since the early plateau escape "
-            f"is not the pooled rows' noise), against {main['mean']:+.2f}% [{main['ci'][0]:+.2f}, {main['ci'][1]:+.2f}] "
-            "with it.")
+            f"({cold['pairs']} seeds; decided on its own noise, sd {nz['sd']:.2f} with {nz['df']} df, against the pooled "
+            f"rows' {t3['noise']['sd']:.2f} with {t3['noise']['df']} df, upper bound {t3['noise']['upper']:.2f}), against "
+            f"{main['mean']:+.2f}% [{main['ci'][0]:+.2f}, {main['ci'][1]:+.2f}] with it.")
 
 
 def results_section(df: pd.DataFrame, t3: dict) -> str:
@@ -330,7 +331,7 @@ def results_section(df: pd.DataFrame, t3: dict) -> str:
              *paired_table(t3, True), "",
              f"Multiplicity: {t3['family']} intervals at 95% each; {len(family)} of the {len(decided)} printed words also hold "
              f"at a family-wise 95% (Bonferroni over the {t3['family']} rows; the others say their family-wise word).",
-             "", cold_words(t3), "", against_paper(t3), "", resolution_words(t3), "", trajectory_spread(df, n), spread_words(t3)]
+             "", cold_words(t3), "", against_paper(t3), "", resolution_words(t3), "", trajectory_spread(t3), spread_words(t3)]
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -15,7 +15,7 @@ import pandas as pd
 import seaborn as sns
 
 from experiments.table2 import HYPOTHESES, PAPER_NAMES, in_order
-from mecefo.errors import guarded
+from mecefo.errors import UsageError, guarded
 from mecefo.results import quick_flag, read_measurement
 from mecefo.simulator import BREAKDOWN
 
@@ -136,7 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     result = read_measurement("throughput", "throughput", quick, "experiments.throughput")
     hyp_result = read_measurement("throughput", "hypotheses", quick, "experiments.hypotheses")
     style()
-    doc, section = report(read_measurement("throughput", "table2", quick, "experiments.table2"))
+    t2 = read_measurement("throughput", "table2", quick, "experiments.table2")
+    if t2["sources"] != {"throughput": result["git_commit"], "hypotheses": hyp_result["git_commit"]}:
+        raise UsageError("results/throughput/table2 was decided from other throughput or hypotheses results than the "
+                         f"ones here; rerun python -m experiments.table2{' --quick' if quick else ''}")
+    doc, section = report(t2)
     paths = [write_table("throughput_table2", doc)]
     for key in HYPOTHESES:
         paths += save_figure(hypothesis_figure(in_order(hyp_result["hypotheses"]), key), f"throughput_{key.lower()}",

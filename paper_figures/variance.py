@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import sys
 
-from mecefo.errors import guarded
+from mecefo.errors import UsageError, guarded
 from mecefo.results import quick_flag, read_measurement
-from mecefo.stats import seeds_needed
 
 from .common import write_table
 
 COMPARISONS = ("mecefo-none", "drop-none", "mecefo-drop")
 
 
-def seeds_for(sd: float) -> str:
-    k = seeds_needed(sd)
+def seeds_for(cell: dict) -> str:
+    k = cell.get("seeds_for_1")  # experiments.variance computes it (results written before it did: recomputed)
+    if k is None and "seeds_for_1" not in cell:
+        
+        k = seeds_needed(cell["sd"])
     return "—" if k is None else str(k)
 
 
@@ -32,7 +34,7 @@ def table(result: dict) -> str:
              "|---|---|---|" + "---|" * len(COMPARISONS)]
     for factor, row in result["factors"].items():
         sd = row["ppl_sd"]
-        cells = [f"{row[c]['mean']:+.2f}% ({row[c]['sd']:.2f}), {seeds_for(row[c]['sd'])}" for c in COMPARISONS]
+        cells = [f"{row[c]['mean']:+.2f}% ({row[c]['sd']:.2f}), {seeds_for(row[c])}" for c in COMPARISONS]
         lines.append(f"| {factor} | {row['seeds']} | {sd['none']:.2f} / {sd['mecefo']:.2f} / {sd['drop']:.2f} | "
                      + " | ".join(cells) + " |")
     lines.append(f"\nSource: results/variance/variance-*.json (runs in results/sweep), commit `{result['git_commit'][:12]}`.")

@@ -1,5 +1,3 @@
-import gzip
-import json
 import shutil
 
 import numpy as np
@@ -8,6 +6,8 @@ import pytest
 from mecefo import data as data_mod
 from mecefo.data import HELD_OUT, DataConfig, TokenData, load_corpus, split_of, train_tokenizer
 from mecefo.errors import UsageError
+
+from .conftest import write_c4_shard
 
 
 @pytest.fixture(scope="module")
@@ -103,19 +103,10 @@ def test_whole_split_evaluation_covers_every_window_once_in_any_batching(nano_da
         DataConfig(val_windows=-1).validate()
 
 
-def _write_c4_fixture(folder, split, n_docs, seed):
-    rng = np.random.default_rng(seed)
-    words = ["the", "colossal", "clean", "crawled", "corpus", "web", "page", "text", "of", "and", "a", "model"]
-    with gzip.open(folder / f"c4-{split}.00000-of-00001.json.gz", "wt") as f:
-        for i in range(n_docs):
-            text = " ".join(rng.choice(words, size=60)) + "."
-            f.write(json.dumps({"text": text, "timestamp": "2019-04-25T00:00:00Z", "url": f"https://x/{i}"}) + "\n")
-
-
 def test_c4_loads_from_local_shards(tmp_path, monkeypatch):
     monkeypatch.setenv("MECEFO_CACHE", str(tmp_path / "cache"))
-    _write_c4_fixture(tmp_path, "train", 300, 0)
-    _write_c4_fixture(tmp_path, "validation", 40, 1)
+    write_c4_shard(tmp_path, "train", 300, 0)
+    write_c4_shard(tmp_path, "validation", 40, 1)
     cfg = DataConfig(dataset="c4", data_dir=str(tmp_path), vocab_size=300, seq_len=32, micro_batch_size=2,
                      c4_train_tokens=5000, c4_val_tokens=1000, c4_tokenizer_docs=100, val_windows=8)
     d = TokenData(cfg)
@@ -127,7 +118,7 @@ def test_c4_loads_from_local_shards(tmp_path, monkeypatch):
 
 def test_c4_offline_without_shards_says_what_to_download(tmp_path, monkeypatch):
     monkeypatch.setenv("MECEFO_CACHE", str(tmp_path / "cache"))
-    with pytest.raises(UsageError, match="c4-train.*json.gz.*--data-dir"):
+    with pytest.raises(UsageError, match="c4-train.*json.gz.*--data_dir"):
         TokenData(DataConfig(dataset="c4", data_dir=str(tmp_path)))
 
 
@@ -139,5 +130,5 @@ def test_c4_stream_failure_is_a_usage_error(monkeypatch):
     import types
 
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=refuse))
-    with pytest.raises(UsageError, match="cannot stream allenai/c4.*--data-dir"):
+    with pytest.raises(UsageError, match="cannot stream allenai/c4.*--data_dir"):
         next(data_mod.c4_documents("train", ""))

@@ -74,8 +74,8 @@ def test_trace_export_and_replay_round_trip(tmp_path):
 
 def test_replay_of_a_bamboo_style_trace(tmp_path):
     path = tmp_path / "p3.csv"
-    path.write_text("0,add,node1\n0,add,node2\n0,add,node3\n60000,remove,node2\n120000,add,node2\n90000,remove,node9\n")
-    s = read_trace(path, 3, 5, 30.0)  # node9 is a fourth node: beyond 3 ranks, ignored
+    path.write_text("0,add,node1\n0,add,node2\n0,add,node3\n60000,remove,node2\n120000,add,node2\n")
+    s = read_trace(path, 3, 5, 30.0)  # (a removal of a node the trace never adds is refused: test below)
     assert [sorted(f) for f in s.failed] == [[], [], [1], [1], []]
 
 
@@ -83,7 +83,9 @@ def test_replay_of_a_bamboo_style_trace(tmp_path):
     ("0,add", "p.csv:2: expected"),
     ("abc,add,node1", "p.csv:2: time 'abc'"),
     ("100,crash,node1", "p.csv:2: expected"),
-    ("-5,remove,node1", "p.csv:2: negative time"),
+    ("-5,remove,node1", "p.csv:2: time '-5' must be a finite, non-negative"),
+    ("nan,remove,node1", "p.csv:2: time 'nan' must be a finite"),
+    ("100,remove,node7", "p.csv:2: removes node 'node7', which the trace never adds"),
 ])
 def test_malformed_trace_names_the_line(tmp_path, line, message):
     path = tmp_path / "p.csv"
@@ -95,9 +97,22 @@ def test_malformed_trace_names_the_line(tmp_path, line, message):
 def test_custom_scenarios_and_bad_specs():
     s = failures.resolve("custom:0.25:1", 4, 100, 600.0, 0)
     assert s.failure_events() > 0
-    for bad in ("sometimes", "custom:0:1", "custom:a:b", "custom:1"):
+    for bad in ("sometimes", "custom:0:1", "custom:a:b", "custom:1", "custom:nan:1", "custom:1:nan", "custom:inf:1"):
         with pytest.raises(UsageError, match="cluster.failures"):
             failures.resolve(bad, 4, 10, 1.0, 0)
+
+
+def test_a_binary_trace_is_refused(tmp_path):
+    path = tmp_path / "p.csv"
+    path.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(UsageError, match="is not a text CSV file"):
+        read_trace(path, 2, 10, 1.0)
+
+
+@pytest.mark.parametrize("spec, seconds", [("custom:1e-12:1", 1.0), ("high", 1e12)])
+def test_a_schedule_too_dense_to_draw_is_refused_before_sampling(spec, seconds):
+    with pytest.raises(UsageError, match="expects .* failure arrivals"):
+        failures.resolve(spec, 4, 100, seconds, 0)
 
 
 def test_events_at_step_boundaries():

@@ -136,3 +136,18 @@ def test_a_table1_style_kill_schedule_trains_to_the_end_equal_to_its_twin(tmp_pa
     assert train_main([*NANO, *args, "--quiet", "--out", str(twin), "--failures", f"steps:{out / 'failed_steps.json'}"]) == 0
     for a, b in zip(_rows(out / "metrics.jsonl"), [row for row in _rows(twin / "metrics.jsonl") if row["step"] > 0]):
         assert a["failed"] == b["failed"] and a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--kill", "9:3"], "--kill '9:3': rank must be in 0..1"),
+    (["--min_step_s", "inf"], "--min_step_s inf must be a finite"),
+    (["--r", "0.25", "--kill", "5:3"], "--kill '5:3'"),  # --r is the low-rank width, never an abbreviation of --resume
+])
+def test_the_launcher_refuses_bad_input_before_writing_anything(args, message, tmp_path, capsys):
+    from mecefo.launch import main as launch_main
+
+    out = tmp_path / "ft"
+    assert launch_main([*NANO, "--out", str(out), "--ranks", "2", "--steps", "4", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not out.exists()  # so the corrected command is not refused as "holds a run"

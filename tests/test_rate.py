@@ -62,3 +62,10 @@ def test_a_fit_recovers_minus_one_half_and_refuses_a_non_positive_cell():
     assert f["word"] == "falls as 1/sqrt(nT)" and abs(f["slope"] + 0.5) < 0.02
     rows[3]["y"] = -1e-3  # an unbiased estimate below zero: the gradient is below its noise there
     assert _fit(rows, "y") is None
+
+
+def test_every_split_cuts_the_held_out_windows_into_two_equal_disjoint_halves():
+    idx = np.arange(rate_gpt.HELD_OUT_WINDOWS)
+    for name, rule in rate_gpt.SPLITS.items():
+        first = rule(idx)
+        assert first.sum() == (~first).sum() == len(idx) // 2, name

@@ -231,3 +231,15 @@ def test_a_rows_own_noise_is_its_sample_sd_with_a_chi_square_upper_bound():
     assert np.isclose(noise.upper, sd * np.sqrt(2 / sps.chi2.ppf(0.05, 2))) and noise.upper > sd
     with pytest.raises(ValueError):
         sample_noise([1.0])
+
+
+@settings(max_examples=40, deadline=None)
+@given(distance=st.floats(0.2, 20), sd=st.floats(0.1, 10))
+def test_seeds_for_a_row_on_its_own_noise_count_the_df_that_each_seed_adds(distance, sd):
+    from mecefo.stats import replication_factor, seeds_to_clear_own
+
+    k = seeds_to_clear_own(distance, sd)
+    if k is None:
+        return
+    half = lambda j: replication_factor(j - 1) * sd / np.sqrt(j)  # noqa: E731
+    assert half(k) < distance and (k == 2 or half(k - 1) >= distance)

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import math
 import subprocess
@@ -13,7 +14,7 @@ from mecefo.config import OptimConfig
 from mecefo.errors import UsageError
 from mecefo.train import lr_at, main, run
 
-from .conftest import cuda
+from .conftest import cuda, write_c4_shard
 
 
 def test_loss_falls_within_a_few_dozen_nano_steps(nano_cfg, tmp_path):
@@ -92,6 +93,13 @@ def test_sgd_optimizer_trains(nano_cfg, tmp_path):
     (["--config", "experiments/configs/nano.toml", "--steps", "ten"], "train.steps='ten' must be of type int"),
     (["--config", "experiments/configs/nano.toml", "--optimizer", "lion"], "optim.optimizer='lion'"),
     (["--config", "experiments/configs/missing.toml"], "config file experiments/configs/missing.toml does not exist"),
+    (["--config", "experiments/configs/nano.toml", "--failures", "custom:nan:1"], "cluster.failures='custom:nan:1'"),
+    (["--config", "experiments/configs/nano.toml", "--failures", "custom:1e-12:1"], "failure arrivals"),
+    (["--config", "experiments/configs/nano.toml", "--failures", "high", "--seconds_per_step", "1e12"], "failure arrivals"),
+    (["--config", "experiments/configs/nano.toml", "--seed", "-1"], "train.seed=-1 must be non-negative"),
+    (["--config", "experiments/configs/nano.toml", "--steps", "1000000000"], "train.steps=1000000000 must lie in"),
+    (["--config", "experiments/configs/nano.toml", "--stop-after", "0"], "--stop-after 0 must be at least 1"),
+    (["--config", "experiments/configs/nano.toml", "--stop_after", "0"], "--stop-after 0 must be at least 1"),
 ])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(argv, message, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
@@ -100,6 +108,47 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(argv, message, tmp_p
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
     assert not out.exists()
+
+
+def test_an_out_that_cannot_be_a_folder_exits_2(capsys):
+    assert main(["--config", str(CONFIGS / "nano.toml"), "--out", "/dev/null/run"]) == 2
+    err = capsys.readouterr().err
+    assert "--out /dev/null/run cannot be a run folder: /dev/null is not a directory" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("body, message", [
+    (b"\x00\xff\xfe binary \x89PNG", "is not a text TOML file"),
+    (b"[train]\nsteps = true\n", "train.steps=True must be of type int"),
+])
+def test_a_config_file_that_is_binary_or_mistyped_exits_2(body, message, tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_bytes(body)
+    assert main(["--config", str(bad), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and not (tmp_path / "out").exists()
+
+
+def test_resume_drops_a_torn_last_metrics_line_with_a_note(nano_cfg, tmp_path, capsys):
+    argv = ["--config", str(CONFIGS / "nano.toml"), "--steps", "6", "--eval_every", "3", "--checkpoint_every", "3",
+            "--out", str(tmp_path / "run"), "--quiet"]
+    assert main(argv + ["--stop-after", "3"]) == 0
+    with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "loss": 5.1')  # what a SIGKILL mid-write leaves
+    assert main(argv + ["--resume"]) == 0
+    assert "dropping the torn last line" in capsys.readouterr().err
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(7))
+
+
+def test_help_lists_every_config_field_with_its_default(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for section in dataclasses.fields(config_mod.Config):
+        for f in dataclasses.fields(section.default_factory):
+            assert f"--{f.name} " in text, f.name
+    assert "--lr 0.003" in text and "auto | cpu | cuda" in text and "--stop_after" in text
 
 
 def test_unknown_key_in_config_file(tmp_path, capsys):
@@ -119,6 +168,27 @@ def test_corrupted_corpus_exits_2(tmp_path, monkeypatch, capsys):
     assert main(["--config", str(CONFIGS / "nano.toml"), "--out", str(tmp_path / "out")]) == 2
     assert "corrupted" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_c4_run_on_local_shards_ends_with_a_summary_and_resumes(tmp_path, monkeypatch):
+    """C4 publishes train and validation only: the summary says so (no test loss) instead of failing after
+    the last checkpoint, and an interrupted run resumes to the same summary."""
+    monkeypatch.setenv("MECEFO_CACHE", str(tmp_path / "cache"))
+    shards = tmp_path / "c4"
+    shards.mkdir()
+    write_c4_shard(shards, "train", 300, 0)
+    write_c4_shard(shards, "validation", 40, 1)
+    argv = ["--config", str(CONFIGS / "nano.toml"), "--dataset", "c4", "--data-dir", str(shards), "--vocab_size", "300",
+            "--seq_len", "32", "--c4_train_tokens", "6000", "--c4_val_tokens", "1200", "--c4_tokenizer_docs", "100",
+            "--val_windows", "8", "--steps", "6", "--eval_every", "3", "--checkpoint_every", "3", "--ranks", "2",
+            "--failures", "high", "--seconds_per_step", "3600", "--quiet"]
+    assert main(argv + ["--out", str(tmp_path / "whole")]) == 0
+    assert main(argv + ["--out", str(tmp_path / "cut"), "--stop-after", "3"]) == 0
+    assert not (tmp_path / "cut" / "summary.json").exists()
+    assert main(argv + ["--out", str(tmp_path / "cut"), "--resume"]) == 0
+    whole, cut = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("whole", "cut"))
+    assert whole["splits"] == ["train", "val"] and whole["final_test_loss"] is None and whole["final_test_ppl"] is None
+    assert math.isfinite(whole["final_val_loss"]) and whole["final_val_loss"] == cut["final_val_loss"]
 
 
 def test_cli_runs_as_a_module(tmp_path):

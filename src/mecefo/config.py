@@ -32,12 +32,12 @@ class ModelSection:
 @dataclass(frozen=True)
 class OptimConfig:
     optimizer: str = "adamw"  # adamw (the paper's experiments) | sgd (momentum SGD, the paper's theory)
-    lr: float = 3e-3
+    lr: float = 3e-3  # peak learning rate
     min_lr_ratio: float = 0.1  # cosine decay ends at min_lr_ratio * lr
-    warmup_steps: int = 50
+    warmup_steps: int = 50  # linear warmup, then cosine decay
     weight_decay: float = 0.1  # AdamW only; applied to matrices, not to norm weights
-    beta1: float = 0.9
-    beta2: float = 0.95
+    beta1: float = 0.9  # AdamW
+    beta2: float = 0.95  # AdamW
     momentum: float = 0.9  # SGD only
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
 
@@ -56,9 +56,12 @@ class OptimConfig:
                 raise UsageError(f"optim.{name}={getattr(self, name)} must lie in [0, 1)")
 
 
+MAX_STEPS = 10_000_000  # the paper's longest run is 60k steps; a schedule of 1e9 steps would not fit in memory
+
+
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 600
+    steps: int = 600  # optimizer steps
     eval_every: int = 100  # validation every k steps (and always at the end)
     checkpoint_every: int = 200  # 0: only the final checkpoint
     log_every: int = 20  # plain progress lines when not on a terminal
@@ -67,8 +70,11 @@ class TrainConfig:
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16
 
     def validate(self) -> None:
-        if self.steps < 1:
-            raise UsageError(f"train.steps={self.steps} must be at least 1")
+        if not 1 <= self.steps <= MAX_STEPS:
+            raise UsageError(f"train.steps={self.steps} must lie in 1..{MAX_STEPS:,} (the failure schedule keeps a failed "
+                             "set per step)")
+        if self.seed < 0:
+            raise UsageError(f"train.seed={self.seed} must be non-negative")
         for name in ("eval_every", "log_every"):
             if getattr(self, name) < 1:
                 raise UsageError(f"train.{name}={getattr(self, name)} must be at least 1")
@@ -131,6 +137,8 @@ def _convert(section: str, name: str, kind: type, value):
         if str(value).lower() in ("false", "0", "no"):
             return False
         raise UsageError(f"{where}={value!r} must be true or false")
+    if isinstance(value, bool):  # TOML's `steps = true` is not a number
+        raise UsageError(f"{where}={value!r} must be of type {kind.__name__}")
     try:
         if kind is int and isinstance(value, float) and not value.is_integer():
             raise ValueError
@@ -177,6 +185,8 @@ def load(path: str | Path | None, overrides: dict[str, str] | None = None) -> Co
             values = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:
             raise UsageError(f"config file {path} is not valid TOML: {e}") from None
+        except UnicodeDecodeError:
+            raise UsageError(f"config file {path} is not a text TOML file") from None
         for section, body in values.items():
             if not isinstance(body, dict):
                 raise UsageError(f"config key {section!r} in {path} must sit inside a [section]")
@@ -191,6 +201,39 @@ def load(path: str | Path | None, overrides: dict[str, str] | None = None) -> Co
             section = owner[name]
         values.setdefault(section, {})[name] = value
     return build(values)
+
+
+def _comments(cls) -> dict[str, str]:
+    """Each field's trailing comment in its dataclass's source: the one place a field's meaning is written."""
+    import inspect
+    import re
+
+    names = {f.name for f in fields(cls)}
+    found = {}
+    for line in inspect.getsource(cls).splitlines():
+        m = re.match(r"\s+(\w+): [^=]+= .*?(?:  # (.*))?$", line)
+        if m and m.group(1) in names:
+            found[m.group(1)] = (m.group(2) or "").strip()
+    return found
+
+
+def fields_help() -> str:
+    """Every config field with its default and meaning (the --help of mecefo.train and mecefo.launch), read from
+    the dataclasses themselves so that it cannot drift from them."""
+    lines = ["config fields, each overridable as --name VALUE or --section.name VALUE (dashes and underscores alike):"]
+    for section, cls in _sections().items():
+        lines.append(f"  [{section}]")
+        notes = _comments(cls)
+        for f in fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            lines.append(f"    --{f.name} {default!r}".ljust(40) + (f"  {notes[f.name]}" if notes.get(f.name) else ""))
+    return "\n".join(lines)
+
+
+def add_flag(parser, name: str, **kwargs) -> None:
+    """An entry point's own flag, accepted with dashes and with underscores alike (--stop-after, --stop_after)."""
+    spellings = dict.fromkeys([f"--{name.replace('_', '-')}", f"--{name.replace('-', '_')}"])
+    parser.add_argument(*spellings, dest=name.replace("-", "_"), **kwargs)
 
 
 def with_overrides(cfg: Config, **sections: dict) -> Config:

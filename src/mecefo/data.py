@@ -37,7 +37,7 @@ SPLITS = ("train", "val", "test")
 C4_DOWNLOAD_HINT = (
     "download shards of allenai/c4 'en' (e.g. en/c4-train.00000-of-01024.json.gz and "
     "en/c4-validation.00000-of-00008.json.gz from https://huggingface.co/datasets/allenai/c4) "
-    "into a folder and pass it as --data-dir"
+    "into a folder and pass it as --data_dir"
 )
 
 
@@ -98,7 +98,7 @@ def c4_documents(split: str, data_dir: str | None) -> Iterator[str]:
     if data_dir:
         shards = sorted(Path(data_dir).glob(f"c4-{split}.*.json.gz"))
         if not shards:
-            raise UsageError(f"--data-dir {data_dir} holds no c4-{split}.*.json.gz shards; {C4_DOWNLOAD_HINT}")
+            raise UsageError(f"--data_dir {data_dir} holds no c4-{split}.*.json.gz shards; {C4_DOWNLOAD_HINT}")
         for shard in shards:
             with gzip.open(shard, "rt", encoding="utf-8") as f:
                 for line in f:
@@ -160,14 +160,14 @@ def _write_tokens(docs: Iterable[str], tok, path: Path, max_tokens: int | None, 
 @dataclass(frozen=True)
 class DataConfig:
     dataset: str = "shakespeare"  # shakespeare | c4
-    vocab_size: int = 4096
-    seq_len: int = 256
-    micro_batch_size: int = 8
+    vocab_size: int = 4096  # BPE vocabulary trained on the training split (a tokenizer_file brings its own)
+    seq_len: int = 256  # tokens per window
+    micro_batch_size: int = 8  # sequences per rank per micro-batch
     grad_accum: int = 1  # micro-batches per rank per optimizer step
     data_dir: str = ""  # c4: folder of local json.gz shards ("" = stream with `datasets`)
     tokenizer_file: str = ""  # a tokenizers JSON file to use instead of training BPE (e.g. T5's)
     c4_train_tokens: int = 20_000_000  # c4: tokens of the training stream kept in the memmap
-    c4_val_tokens: int = 2_000_000
+    c4_val_tokens: int = 2_000_000  # c4: tokens of the validation stream kept
     c4_tokenizer_docs: int = 100_000  # c4: documents the BPE is trained on
     val_windows: int = 64  # validation/test windows of seq_len tokens (0: every window of the split)
 
@@ -207,6 +207,12 @@ class TokenData:
     @property
     def vocab_size(self) -> int:
         return self.meta["vocab_size"]
+
+    @property
+    def splits(self) -> list[str]:
+        """The splits this source has: train, val and test for Shakespeare; train and val for C4, which publishes
+        train and validation only (the paper reports validation perplexity)."""
+        return list(self.meta["splits"])
 
     def _windows(self) -> int:
         return (len(self.tokens["train"]) - self.cfg.seq_len - 1) // (self.cfg.seq_len + 1)

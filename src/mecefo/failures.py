@@ -19,6 +19,7 @@ run of H hours the failed fraction is only about 1 - R / (2H) of the stationary 
 from __future__ import annotations
 
 import csv
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +50,9 @@ SCENARIOS = {
     "mid": FailureScenario("mid", 1.0, 3.0),
     "high": FailureScenario("high", 0.5, 2.0),
 }
+
+
+MAX_EXPECTED_ARRIVALS = 1e6  # a schedule that would draw more is refused (a mistyped interval or seconds_per_step)
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,11 @@ def generate(scenario: FailureScenario, n_ranks: int, steps: int, seconds_per_st
     begin = -10 * scenario.recovery_h * 3600.0 if start == "stationary" else 0.0
     if scenario.interval_h != float("inf") and pool:
         rate_per_s = n_ranks / (REFERENCE_RANKS * scenario.interval_h * 3600.0)
+        expected = rate_per_s * (horizon - begin)
+        if not expected <= MAX_EXPECTED_ARRIVALS:  # refused before sampling (it would not end in reasonable time)
+            raise UsageError(f"cluster.failures={scenario.name!r} over {steps} steps of {seconds_per_step:g} s on {n_ranks} "
+                             f"ranks expects {expected:.3g} failure arrivals (more than {MAX_EXPECTED_ARRIVALS:.0e}); "
+                             "lengthen the interval or shorten seconds_per_step")
         down_until = {r: begin - 1.0 for r in pool}
         t = begin + rng.exponential(1 / rate_per_s)
         while t < horizon:
@@ -149,14 +158,22 @@ def export_trace(schedule: Schedule, path: str | Path) -> None:
         csv.writer(f).writerows(rows)
 
 
+def _csv_rows(f, path: Path):
+    """csv rows of a text file, a UsageError for one that is not text (a binary file given as a trace)."""
+    try:
+        yield from csv.reader(f)
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise UsageError(f"failure trace {path} is not a text CSV file ({type(e).__name__})") from None
+
+
 def _parse_trace(path: Path) -> list[tuple[float, str, str]]:
     """The (seconds, add|remove, node) rows of a trace, in file order; a malformed row is a UsageError naming
     file:line."""
     if not path.is_file():
         raise UsageError(f"failure trace {path} does not exist")
-    rows = []
-    with open(path, newline="") as f:
-        for lineno, row in enumerate(csv.reader(f), start=1):
+    rows, lines = [], []
+    with open(path, newline="", errors="strict") as f:
+        for lineno, row in enumerate(_csv_rows(f, path), start=1):
             if not row or all(not c.strip() for c in row):
                 continue
             if len(row) != 3 or row[1].strip() not in ("add", "remove") or not row[2].strip():
@@ -165,9 +182,14 @@ def _parse_trace(path: Path) -> list[tuple[float, str, str]]:
                 t_ms = float(row[0])
             except ValueError:
                 raise UsageError(f"{path}:{lineno}: time {row[0]!r} is not a number of milliseconds") from None
-            if t_ms < 0:
-                raise UsageError(f"{path}:{lineno}: negative time {row[0]}")
+            if not math.isfinite(t_ms) or t_ms < 0:
+                raise UsageError(f"{path}:{lineno}: time {row[0]!r} must be a finite, non-negative number of milliseconds")
             rows.append((t_ms / 1000.0, row[1].strip(), row[2].strip()))
+            lines.append(lineno)
+    added = {node for _, kind, node in rows if kind == "add"}
+    for (_, kind, node), lineno in zip(rows, lines):
+        if added and kind == "remove" and node not in added:  # (a trace that adds nobody: trace_slots says so)
+            raise UsageError(f"{path}:{lineno}: removes node {node!r}, which the trace never adds")
     return rows
 
 
@@ -266,7 +288,7 @@ def scenario(spec: str) -> FailureScenario:
         if parts[0] != "custom" or len(parts) != 3:
             raise ValueError
         interval, recovery = float(parts[1]), float(parts[2])
-        if interval <= 0 or recovery < 0:
+        if not (math.isfinite(interval) and interval > 0 and math.isfinite(recovery) and recovery >= 0):
             raise ValueError
     except ValueError:
         raise UsageError(f"cluster.failures={spec!r}; allowed: {', '.join(SCENARIOS)}, "

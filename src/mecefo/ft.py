@@ -36,7 +36,7 @@ import torch
 from . import checkpoint, config as config_mod, policies
 from .cluster import StepResult, _Common
 from .data import TokenData
-from .errors import TrainingStopped, UsageError
+from .errors import TrainingStopped, UsageError, guarded
 from .model import GPT, preset
 from .neighbour import LowRankWgrad
 from .plan import StepPlan
@@ -220,35 +220,36 @@ class Replica:
         log.close()
         final = {"rank": self.rank, "step": self.manager.current_step(), "digest": parameter_digest(self.model),
                  "val_loss": evaluate(self.model, self.data, "val", self.device, tc.precision),
-                 "test_loss": evaluate(self.model, self.data, "test", self.device, tc.precision)}
+                 "test_loss": evaluate(self.model, self.data, "test", self.device, tc.precision)
+                 if "test" in self.data.splits else None, "splits": self.data.splits}
         atomic_write_json(self.out / "replicas" / f"rank{self.rank}.final.json", final)
         self.status("finished")
         self.manager.shutdown(wait=False)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mecefo.ft", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m mecefo.ft", description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--out", required=True)
     parser.add_argument("--replica", type=int, required=True)
     parser.add_argument("--lighthouse", required=True)
-    parser.add_argument("--min-step-s", type=float, default=0.0)
-    parser.add_argument("--wait-for", type=int, default=1, help="replicas to wait for before the first step")
+    config_mod.add_flag(parser, "min-step-s", type=float, default=0.0)
+    config_mod.add_flag(parser, "wait-for", type=int, default=1, help="replicas to wait for before the first step")
     parser.add_argument("--rejoin", action="store_true", help="a restarted replica: heal from a live peer first")
     args = parser.parse_args(argv)
     out = Path(args.out)
-    try:
-        values = json.loads((out / "config.json").read_text())["config"]
+
+    def replica() -> int:
+        try:
+            values = json.loads((out / "config.json").read_text())["config"]
+        except (OSError, ValueError, KeyError) as e:
+            raise UsageError(f"{out / 'config.json'} cannot be read ({type(e).__name__}); mecefo.launch writes it") from None
         cfg = config_mod.build(values)
         if not 0 <= args.replica < cfg.cluster.ranks:
             raise UsageError(f"--replica {args.replica} must be in 0..{cfg.cluster.ranks - 1}")
         Replica(cfg, out, args.replica, args.lighthouse, args.min_step_s).train(args.wait_for, args.rejoin)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except TrainingStopped as e:
-        print(f"stopped: {e}", file=sys.stderr)
-        return 3
-    return 0
+        return 0
+
+    return guarded(replica, f"rank {args.replica}: interrupted")
 
 
 if __name__ == "__main__":

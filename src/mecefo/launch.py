@@ -36,7 +36,7 @@ from pathlib import Path
 
 from . import config as config_mod
 from . import failures
-from .errors import TrainingStopped, UsageError
+from .errors import TrainingStopped, UsageError, guarded
 from .records import atomic_write_json, atomic_write_text, git_commit
 
 POLL_S = 0.02
@@ -248,6 +248,8 @@ def merge(out: Path, cfg, supervisor: Supervisor) -> dict:
     summary = {"config": cfg.to_dict(), "config_hash": cfg.hash(), "backend": "torchft", "steps": steps,
                "final_train_loss": rows[steps]["loss"], "final_val_loss": finals[0]["val_loss"],
                "final_val_ppl": math.exp(finals[0]["val_loss"]), "final_test_loss": finals[0]["test_loss"],
+               "final_test_ppl": None if finals[0]["test_loss"] is None else math.exp(finals[0]["test_loss"]),
+               "splits": finals[0]["splits"],
                "rank_agreement": {"ranks_checked": [f["rank"] for f in finals], "identical": identical},
                "kills": sum(e["kind"] == "kill" for e in supervisor.events), "timings": timings,
                "wall_time_s": time.time() - supervisor.t0, "git_commit": git_commit()}
@@ -275,74 +277,72 @@ def recovery_times(events: list, rows: dict, healed: list) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mecefo.launch", description=__doc__.splitlines()[0],
-                                     epilog="Any config field can be overridden as for mecefo.train (--steps 30 ...).")
+    parser = argparse.ArgumentParser(prog="python -m mecefo.launch", description=__doc__.splitlines()[0], allow_abbrev=False,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=config_mod.fields_help())
     parser.add_argument("--config")
     parser.add_argument("--out", required=True)
     parser.add_argument("--kill", action="append", default=[],
                         help="RANK:STEP (killed for good), RANK:STEP:RESTART_STEP, or RANK:heal (killed while healing, restarted)")
-    parser.add_argument("--min-step-s", type=float, default=0.0, help="pace steps to at least this long (so kills land)")
+    config_mod.add_flag(parser, "min-step-s", type=float, default=0.0, help="pace steps to at least this long (so kills land)")
     parser.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt")
     parser.add_argument("--quiet", action="store_true")
-    supervisor = lighthouse = None
-    try:
-        from .train import parse_args as train_args
 
-        args, rest = parser.parse_known_args(argv)
-        _, overrides = train_args(rest)
-        cfg = config_mod.load(args.config, {**overrides, "backend": "torchft"})
-        out = Path(args.out)
-        if (out / "replicas").exists() and not args.resume:
-            raise UsageError(f"{out} holds a run; pass --resume to continue it or choose another --out")
-        if args.resume and not (out / "checkpoint.pt").exists():
-            raise UsageError(f"--resume: no checkpoint in {out}")
-        (out / "replicas").mkdir(parents=True, exist_ok=True)
-        for p in (out / "replicas").glob("rank*.status"):
-            p.unlink()
-        atomic_write_json(out / "config.json", {"config_hash": cfg.hash(), "config": cfg.to_dict()})
-        cc = cfg.cluster
-        schedule = failures.resolve(cc.failures, cc.ranks, cfg.train.steps, cc.seconds_per_step,
-                                    cfg.train.seed if cc.failure_seed < 0 else cc.failure_seed, cc.recovery,
-                                    cc.failable_ranks(), cc.failure_start, cc.failure_free_steps)
-        kills, down0 = kill_plan(schedule, args.kill, cc.ranks)
-        start_step = 0
-        if args.resume:
-            start_step = resume_point(out, cfg)
-            kills = [k for k in kills if k.at_step is None or k.at_step > start_step]
-            down0 = frozenset()  # everyone starts from the checkpoint
-        if len(down0) == cc.ranks:
-            raise UsageError("every rank is down at step 0 under this schedule; nothing can start")
-        os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum at info
-        from torchft.coordination import LighthouseServer
+    def launch() -> int:
+        supervisor = lighthouse = None
+        try:
+            from .train import parse_args as train_args
 
-        lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=500, quorum_tick_ms=20,
-                                      heartbeat_timeout_ms=1000)
-        supervisor = Supervisor(cfg, out, lighthouse.address(), kills, args.min_step_s, args.quiet, furthest=start_step)
-        import torch
+            args, rest = parser.parse_known_args(argv)
+            _, overrides = train_args(rest)
+            cfg = config_mod.load(args.config, {**overrides, "backend": "torchft"})
+            out = Path(args.out)
+            if (out / "replicas").exists() and not args.resume:
+                raise UsageError(f"{out} holds a run; pass --resume to continue it or choose another --out")
+            if args.resume and not (out / "checkpoint.pt").exists():
+                raise UsageError(f"--resume: no checkpoint in {out}")
+            if not (math.isfinite(args.min_step_s) and args.min_step_s >= 0):
+                raise UsageError(f"--min_step_s {args.min_step_s} must be a finite, non-negative number of seconds")
+            cc = cfg.cluster
+            schedule = failures.resolve(cc.failures, cc.ranks, cfg.train.steps, cc.seconds_per_step,
+                                        cfg.train.seed if cc.failure_seed < 0 else cc.failure_seed, cc.recovery,
+                                        cc.failable_ranks(), cc.failure_start, cc.failure_free_steps)
+            kills, down0 = kill_plan(schedule, args.kill, cc.ranks)
+            start_step = 0
+            if args.resume:
+                start_step = resume_point(out, cfg)
+                kills = [k for k in kills if k.at_step is None or k.at_step > start_step]
+                down0 = frozenset()  # everyone starts from the checkpoint
+            if len(down0) == cc.ranks:
+                raise UsageError("every rank is down at step 0 under this schedule; nothing can start")
+            # everything is checked: only now is the run folder written
+            (out / "replicas").mkdir(parents=True, exist_ok=True)
+            for p in (out / "replicas").glob("rank*.status"):
+                p.unlink()
+            atomic_write_json(out / "config.json", {"config_hash": cfg.hash(), "config": cfg.to_dict()})
+            os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum at info
+            from torchft.coordination import LighthouseServer
 
-        if cfg.train.device in ("auto", "cuda") and torch.cuda.is_available():
-            supervisor.gpus = torch.cuda.device_count()
-        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-        supervisor.run(down0)
-        summary = merge(out, cfg, supervisor)
-        t = summary["timings"]
-        print(f"done: {summary['kills']} kills; val loss {summary['final_val_loss']:.4f}; kill -> first step without "
-              f"the rank {_fmt(t['kill_to_step_s'])} s, restart -> rejoin {_fmt(t['restart_to_rejoin_s'])} s -> {out}", flush=True)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except TrainingStopped as e:
-        print(f"stopped: {e}", file=sys.stderr)
-        return 3
-    except KeyboardInterrupt:
-        print("interrupted: every replica process was killed", file=sys.stderr)
-        return 130
-    finally:
-        if supervisor is not None:
-            supervisor.stop()
-        if lighthouse is not None:
-            lighthouse.shutdown()
-    return 0
+            lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=500, quorum_tick_ms=20,
+                                          heartbeat_timeout_ms=1000)
+            supervisor = Supervisor(cfg, out, lighthouse.address(), kills, args.min_step_s, args.quiet, furthest=start_step)
+            import torch
+
+            if cfg.train.device in ("auto", "cuda") and torch.cuda.is_available():
+                supervisor.gpus = torch.cuda.device_count()
+            signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+            supervisor.run(down0)
+            summary = merge(out, cfg, supervisor)
+            t = summary["timings"]
+            print(f"done: {summary['kills']} kills; val loss {summary['final_val_loss']:.4f}; kill -> first step without "
+                  f"the rank {_fmt(t['kill_to_step_s'])} s, restart -> rejoin {_fmt(t['restart_to_rejoin_s'])} s -> {out}", flush=True)
+        finally:
+            if supervisor is not None:
+                supervisor.stop()
+            if lighthouse is not None:
+                lighthouse.shutdown()
+        return 0
+
+    return guarded(launch, "interrupted: every replica process was killed")
 
 
 def _fmt(values: list[float]) -> str:

@@ -229,13 +229,27 @@ def seeds_to_clear(distance: float, sd: float, df: int, level: float = 0.95, agr
     return int(np.floor((replication_factor(df, level, agree) * sd / distance) ** 2)) + 1
 
 
+def seeds_to_clear_own(distance: float, sd: float, level: float = 0.95, agree: float = 0.95,
+                       max_seeds: int = 10_000) -> int | None:
+    """For a row decided on its own noise (sample_noise), whose degrees of freedom grow with its seeds: the
+    fewest k whose replication half-width (t_{k-1} + z sqrt 2) sd / sqrt(k) is strictly below `distance`,
+    at the row's sample sd (None: distance <= 0, or more than max_seeds)."""
+    if distance <= 0:
+        return None
+    for k in range(2, max_seeds + 1):
+        if replication_factor(k - 1, level, agree) * sd / np.sqrt(k) < distance:
+            return k
+    return None
+
+
 def decide(mean: float, pairs: int, noise: Noise, tolerance: float = 1.0, level: float = 0.95,
-           agree: float = 0.95, max_seeds: int = 10_000) -> Verdict:
+           agree: float = 0.95, max_seeds: int = 10_000, own: bool = False) -> Verdict:
     """The verdict of a mean of `pairs` paired changes (points of %) under the pooled noise (see Verdict).
     Seeds needed: the word is decided once its distance d from the boundary it must clear satisfies
     d >= (t_{df} + z_{agree} sqrt 2) sd_upper / sqrt(k), i.e. k = floor(((t + z sqrt 2) sd_upper / d)^2) + 1 (seeds_to_clear),
     with d = |mean| for a direction and tolerance - |mean| for a size within the tolerance ('equal within ±1', or
-    'worse/better by less than 1 point' if the direction is decided too); the smaller of the two."""
+    'worse/better by less than 1 point' if the direction is decided too); the smaller of the two. own=True: the
+    noise is the row's own (sample_noise), and the seeds are counted with its df growing (seeds_to_clear_own)."""
     t, z = sps.t.ppf(0.5 + level / 2, noise.df), sps.norm.ppf(agree)
     half, margin = t * noise.sd / np.sqrt(pairs), z * noise.sd * np.sqrt(2 / pairs)
     ci = (mean - half, mean + half)
@@ -244,7 +258,8 @@ def decide(mean: float, pairs: int, noise: Noise, tolerance: float = 1.0, level:
                                             if abs(mean) < tolerance else [])
     best = None
     for d, what in options:
-        k = seeds_to_clear(d, noise.upper, noise.df, level, agree)
+        k = (seeds_to_clear_own(d, noise.sd, level, agree, max_seeds) if own else
+             seeds_to_clear(d, noise.upper, noise.df, level, agree))
         if k is not None and k <= max_seeds and (best is None or k < best[0]):
             best = (max(k, 1), ("worse" if mean > 0 else "better") if what == "direction" else what)
     return Verdict(float(mean), pairs, (float(ci[0]), float(ci[1])), (float(rep[0]), float(rep[1])),

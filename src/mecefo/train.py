@@ -33,11 +33,11 @@ from .cluster import LocalCluster, ShardedCluster, TorchCluster, sharded_model
 from .config import Config
 from .costs import Shape, analytic_flops
 from .data import TokenData
-from .errors import TrainingStopped, UsageError
+from .errors import TrainingStopped, UsageError, guarded
 from .model import GPT, count_parameters, preset
 from .neighbour import LowRankWgrad, Techniques
 from .plan import rank_flops
-from .records import atomic_write_json, git_commit, package_versions
+from .records import atomic_write_json, atomic_write_text, git_commit, package_versions
 from .stats import relative_error
 
 
@@ -111,6 +111,10 @@ def _prepare_out(out: Path, cfg: Config, resume: bool) -> dict:
     """Decide what to do with an existing DIR: reuse a finished run ({"finished": summary}), resume from its
     checkpoint ({"resume": True}), start afresh, or refuse to overwrite (UsageError)."""
     summary, ckpt = out / "summary.json", out / "checkpoint.pt"
+    existing = next(p for p in (out, *out.parents) if p.exists())  # nothing is created before the run starts
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        raise UsageError(f"--out {out} cannot be a run folder: {existing} is "
+                         + ("not a directory" if not existing.is_dir() else "not writable"))
     if summary.exists():
         done = json.loads(summary.read_text())
         if done.get("config_hash") == cfg.hash():
@@ -221,6 +225,9 @@ class Run:
             self.metrics.flush()
 
     def evaluate(self, split: str) -> float | None:
+        """The split's loss (None on ranks that do not evaluate, and for a split the data has not, e.g. C4's test)."""
+        if split not in self.data.splits:
+            return None
         self.cluster.sync_for_io(self.optimizer)
         if self.main or self.cluster.every_rank_evaluates:
             return evaluate(self.model, self.data, split, self.device, self.cfg.train.precision)
@@ -319,7 +326,8 @@ class Run:
         summary = {
             "config": self.cfg.to_dict(), "config_hash": self.cfg.hash(), "seed": tc.seed, "steps": tc.steps,
             "final_train_loss": p.last_loss, "final_val_loss": val_loss, "final_val_ppl": math.exp(val_loss),
-            "final_test_loss": test_loss, "final_test_ppl": math.exp(test_loss),
+            "final_test_loss": test_loss, "final_test_ppl": None if test_loss is None else math.exp(test_loss),
+            "splits": self.data.splits,
             "n_parameters": count_parameters(self.model_cfg), "model": self.model_cfg.__dict__,
             "tokens_seen": tc.steps * self.tokens_per_step, "tokens_trained": p.tokens_trained,
             "replayed_steps": self.policy.replayed_steps, "skipped_steps": p.skipped_steps,
@@ -343,6 +351,8 @@ def run(cfg: Config, out: Path, resume: bool = False, stop_after: int | None = N
     if cfg.cluster.backend == "torchft":
         raise UsageError("cluster.backend='torchft' runs one process per rank under a supervisor: "
                          "use python -m mecefo.launch (see README, Real failures)")
+    if stop_after is not None and stop_after < 1:
+        raise UsageError(f"--stop-after {stop_after} must be at least 1 (the step after which to stop)")
     device = resolve_device(cfg.train.device)
     rank, device = _setup_backend(cfg, device)
     main = rank == 0
@@ -437,11 +447,20 @@ class _FlopModel:
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop metric lines written after the checkpoint we resume from (they will be recomputed)."""
+    """Drop metric lines written after the checkpoint we resume from (they will be recomputed), and a torn last
+    line (a process killed mid-write leaves one) with a note."""
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in keep))
+    lines = [line for line in path.read_text().splitlines() if line]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append((json.loads(line), line))
+        except json.JSONDecodeError:
+            if i != len(lines) - 1:
+                raise UsageError(f"{path}:{i + 1} is not JSON (only a torn last line is dropped); move the file away") from None
+            print(f"note: dropping the torn last line of {path} (the run was killed while writing it)", file=sys.stderr)
+    atomic_write_text(path, "".join(line + "\n" for row, line in rows if row["step"] <= step))
 
 
 def _log(msg: str, quiet: bool) -> None:
@@ -451,13 +470,13 @@ def _log(msg: str, quiet: bool) -> None:
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, str]]:
     parser = argparse.ArgumentParser(prog="python -m mecefo.train", description=__doc__.splitlines()[0], allow_abbrev=False,
-                                     epilog="Any config field can be overridden: --steps 30 --lr 3e-4 --optim.warmup_steps 10. "
-                                     "Policies (--policy): " + "; ".join(f"{n}: {c.summary}" for n, c in
-                                                                        policies.registry().items() if c.trains))
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=config_mod.fields_help() + "\n\npolicies (--policy):\n" + "\n".join(
+                                         f"  {n}: {c.summary}" for n, c in policies.registry().items() if c.trains))
     parser.add_argument("--config", help="TOML file (experiments/configs/*.toml); defaults apply without one")
     parser.add_argument("--out", help="output folder (default results/runs/<preset>-<config hash>)")
     parser.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt (must exist)")
-    parser.add_argument("--stop-after", type=int, help="stop after this step, leaving a checkpoint (simulates an interruption)")
+    config_mod.add_flag(parser, "stop-after", type=int, help="stop after this step, leaving a checkpoint (simulates an interruption)")
     parser.add_argument("--quiet", action="store_true")
     args, rest = parser.parse_known_args(argv)
     overrides, i = {}, 0
@@ -486,21 +505,18 @@ def _leave_process_group(wait: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        args, overrides = parse_args(argv)
-        cfg = config_mod.load(args.config, overrides)
-        out = Path(args.out) if args.out else Path("results") / "runs" / f"{cfg.model.preset}-{cfg.hash()}"
-        run(cfg, out, resume=args.resume, stop_after=args.stop_after, quiet=args.quiet)
-        _leave_process_group(wait=True)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except TrainingStopped as e:
-        print(f"stopped: {e}", file=sys.stderr)
-        return 3
-    finally:
-        _leave_process_group(wait=False)
-    return 0
+    def train() -> int:
+        try:
+            args, overrides = parse_args(argv)
+            cfg = config_mod.load(args.config, overrides)
+            out = Path(args.out) if args.out else Path("results") / "runs" / f"{cfg.model.preset}-{cfg.hash()}"
+            run(cfg, out, resume=args.resume, stop_after=args.stop_after, quiet=args.quiet)
+            _leave_process_group(wait=True)
+        finally:
+            _leave_process_group(wait=False)
+        return 0
+
+    return guarded(train, "interrupted: the last checkpoint is kept; --resume continues from it")
 
 
 def cli() -> None:
