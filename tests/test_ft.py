@@ -142,6 +142,7 @@ def test_a_table1_style_kill_schedule_trains_to_the_end_equal_to_its_twin(tmp_pa
     (["--kill", "9:3"], "--kill '9:3': rank must be in 0..1"),
     (["--min_step_s", "inf"], "--min_step_s inf must be a finite"),
     (["--r", "0.25", "--kill", "5:3"], "--kill '5:3'"),  # --r is the low-rank width, never an abbreviation of --resume
+    (["--stop-after", "2"], "mecefo.launch has no --stop_after"),
 ])
 def test_the_launcher_refuses_bad_input_before_writing_anything(args, message, tmp_path, capsys):
     from mecefo.launch import main as launch_main

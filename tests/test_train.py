@@ -140,6 +140,24 @@ def test_resume_drops_a_torn_last_metrics_line_with_a_note(nano_cfg, tmp_path, c
     assert [r["step"] for r in rows] == list(range(7))
 
 
+def test_a_second_run_on_the_out_of_a_live_run_is_refused_and_a_stale_lock_is_taken_over(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    argv = ["--config", str(CONFIGS / "nano.toml"), "--steps", "3", "--eval_every", "3", "--out", str(out), "--quiet"]
+    holder = subprocess.Popen(["sleep", "60"])  # stands for a live run training into out
+    try:
+        (out / "run.lock").write_text(f"{holder.pid}\n")
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"is in use by a live run (pid {holder.pid}" in err and err.count("\n") == 1
+        assert [p.name for p in out.iterdir()] == ["run.lock"]  # nothing touched
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main(argv) == 0  # its process is gone (as after a SIGKILL): the lock is stale and taken over
+    assert (out / "summary.json").exists() and not (out / "run.lock").exists()  # released at the end
+
+
 def test_help_lists_every_config_field_with_its_default(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--help"])

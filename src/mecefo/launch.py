@@ -293,7 +293,9 @@ def main(argv: list[str] | None = None) -> int:
             from .train import parse_args as train_args
 
             args, rest = parser.parse_known_args(argv)
-            _, overrides = train_args(rest)
+            trainer_flags, overrides = train_args(rest)
+            if trainer_flags.stop_after is not None:
+                raise UsageError("mecefo.launch has no --stop_after: interrupt it (Ctrl-C) and continue with --resume")
             cfg = config_mod.load(args.config, {**overrides, "backend": "torchft"})
             out = Path(args.out)
             if (out / "replicas").exists() and not args.resume:

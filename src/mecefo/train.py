@@ -107,6 +107,27 @@ def evaluate(model: GPT, data: TokenData, split: str, device: torch.device, prec
     return total / rows
 
 
+LOCK = "run.lock"  # OUT/run.lock: the pid of the process training into OUT
+
+
+def _lock_holder(out: Path) -> int | None:
+    """The pid of another live process holding OUT/run.lock (None: no lock, ours, or a stale one whose process
+    is gone, e.g. after a SIGKILL)."""
+    try:
+        pid = int((out / LOCK).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    if pid == os.getpid():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:  # alive, another user's
+        pass
+    return pid
+
+
 def _prepare_out(out: Path, cfg: Config, resume: bool) -> dict:
     """Decide what to do with an existing DIR: reuse a finished run ({"finished": summary}), resume from its
     checkpoint ({"resume": True}), start afresh, or refuse to overwrite (UsageError)."""
@@ -115,6 +136,10 @@ def _prepare_out(out: Path, cfg: Config, resume: bool) -> dict:
     if not existing.is_dir() or not os.access(existing, os.W_OK):
         raise UsageError(f"--out {out} cannot be a run folder: {existing} is "
                          + ("not a directory" if not existing.is_dir() else "not writable"))
+    holder = _lock_holder(out)
+    if holder is not None:
+        raise UsageError(f"--out {out} is in use by a live run (pid {holder}, {out / LOCK}); wait for it to end or "
+                         "choose another --out")
     if summary.exists():
         done = json.loads(summary.read_text())
         if done.get("config_hash") == cfg.hash():
@@ -125,7 +150,7 @@ def _prepare_out(out: Path, cfg: Config, resume: bool) -> dict:
         raise UsageError(f"--resume given but {ckpt} does not exist")
     if ckpt.exists():
         checkpoint.load(ckpt, cfg.hash())  # refuses another config's checkpoint before anything is touched
-    elif out.exists() and any(out.iterdir()):
+    elif out.exists() and any(p.name != LOCK for p in out.iterdir()):
         started = out / "config.json"
         if not (started.exists() and json.loads(started.read_text()).get("config_hash") == cfg.hash()):
             raise UsageError(f"--out {out} is not empty and holds no run of this config; choose another --out")
@@ -360,10 +385,18 @@ def run(cfg: Config, out: Path, resume: bool = False, stop_after: int | None = N
     if decision["finished"] is not None:
         return decision["finished"]
     training = Run(cfg, out, device, main, quiet or not main)
-    start = training.start(decision["resume"])
-    end = min(cfg.train.steps, stop_after) if stop_after is not None else cfg.train.steps
-    training.train(start, end)
-    return training.summary() if end == cfg.train.steps else {"stopped_at": end}
+    lock = Path(out) / LOCK
+    if main:  # held while this process trains into out; a second run on the same out is refused meanwhile
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(lock, f"{os.getpid()}\n")
+    try:
+        start = training.start(decision["resume"])
+        end = min(cfg.train.steps, stop_after) if stop_after is not None else cfg.train.steps
+        training.train(start, end)
+        return training.summary() if end == cfg.train.steps else {"stopped_at": end}
+    finally:
+        if main and _lock_holder(Path(out)) is None and lock.exists():
+            lock.unlink()
 
 
 def _failure_free_gradient(cluster, plan, cfg: Config) -> list[torch.Tensor]:
