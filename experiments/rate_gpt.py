@@ -10,8 +10,8 @@ run (AdamW, cosine schedule, REFERENCE_STEPS steps), made first and reused. From
 with momentum SGD (beta 0.9, a fresh momentum buffer), eta = C sqrt(n / T), a fixed per-rank batch (the
 global batch grows with n) and no clipping, on n ranks of the in-process backend: failure-free, or under
 Table 1's high scenario (stationary start, SECONDS_PER_STEP per step, so that failure dynamics per step are
-the same for every T) with drop or MeCeFO. At n = 1 no rank fails (there is nothing to cover with), so the
-drop and MeCeFO runs at n = 1 are the failure-free run and are not repeated.
+the same for every T) with drop or MeCeFO. At n = 1 a failure of the only rank leaves nobody to cover it (the
+step is skipped under every policy), so drop and MeCeFO are run, and fitted, from n = 2.
 
 f is the loss over the held-out population; its gradient is estimated at K + 1 evenly spaced iterates
 (t = 0, T/K, ..., T) from HELD_OUT_WINDOWS fixed validation windows, split into two disjoint halves
