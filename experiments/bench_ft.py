@@ -53,12 +53,13 @@ def main(argv: list[str] | None = None) -> int:
         torch_rows = [r for r in _rows(scratch / "torch" / "metrics.jsonl") if r["step"] > 5]
         torch_step = statistics.median(b["wall_time_s"] - a["wall_time_s"] for a, b in zip(torch_rows, torch_rows[1:]))
         _run(["-m", "mecefo.launch", *config, "--ranks", "2", "--quiet", "--out", str(scratch / "ft")])
-        ft_rows = _rows(scratch / "ft" / "metrics.jsonl")
-        ft_step = statistics.median(b["time"] - a["time"] for a, b in zip(ft_rows[5:], ft_rows[6:]))
+        ft_rows = [r for r in _rows(scratch / "ft" / "metrics.jsonl") if r["step"] > 5]  # merged from the replicas:
+        ft_step = statistics.median(b["backend"]["time"] - a["backend"]["time"]  # their clock, not one's wall time
+                                    for a, b in zip(ft_rows, ft_rows[1:]))
         _run(["-m", "mecefo.launch", "--config", str(CONFIGS / "nano.toml"), "--steps", "120", "--eval_every", "120",
               "--ranks", "3", "--min-step-s", "0.1", "--kill", "1:15:25", "--kill", "1:70:80", "--quiet",
               "--out", str(scratch / "kills")])
-        timings = json.loads((scratch / "kills" / "summary.json").read_text())["timings"]
+        timings = json.loads((scratch / "kills" / "summary.json").read_text())["backend"]["timings"]
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     result = {"preset": preset, "steps": steps, "ranks": 2, "torch_step_s": torch_step, "torchft_step_s": ft_step,

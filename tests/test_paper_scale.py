@@ -201,7 +201,7 @@ def test_fsdp_sharded_and_unsharded_runs_end_with_equal_parameters(tmp_path, pol
 
 def test_bad_shard_option_exits_2(tmp_path, capsys):
     assert main(NANO + ["--shard", "fsdp", "--out", str(tmp_path / "o")]) == 2
-    assert "cluster.shard='fsdp' needs cluster.backend='torch'" in capsys.readouterr().err
+    assert "cluster.shard='fsdp' is not available on cluster.backend='local'" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
 

@@ -31,8 +31,8 @@ from .plan import NORMAL, Piece, StepPlan
 @dataclass(frozen=True)
 class ClusterConfig:
     ranks: int = 1  # data-parallel size n
-    backend: str = "local"  # local (simulated ranks in one process) | torch (torchrun, gloo / nccl) | torchft (mecefo.launch)
-    shard: str = "none"  # torch backend: none (every rank holds the whole model) | fsdp (FSDP2 over the DP group)
+    backend: str = "local"  # a registered backend (mecefo.cluster.BACKENDS; `--help` lists them)
+    shard: str = "none"  # none (every rank holds the whole model) | fsdp (FSDP2 over the DP group; torch backend)
     failures: str = "none"  # none | low | mid | high | custom:<interval_h>:<recovery_h> | path/to/trace.csv
     policy: str = "mecefo"  # a registered policy (mecefo.policies.trainer_policies())
     techniques: str = "mecefo"  # what mecefo's neighbours / spread-mecefo's extra shares apply
@@ -52,15 +52,15 @@ class ClusterConfig:
     def validate(self) -> None:
         if self.ranks < 1:
             raise UsageError(f"cluster.ranks={self.ranks} must be at least 1")
-        if self.backend not in ("local", "torch", "torchft"):
-            raise UsageError(f"cluster.backend={self.backend!r}; allowed: 'local', 'torch', 'torchft'")
-        if self.backend == "torchft" and (self.shard != "none" or self.policy == "checkpoint-restart"):
-            raise UsageError("cluster.backend='torchft' runs unsharded and without rollbacks: not with "
-                             "cluster.shard='fsdp' or cluster.policy='checkpoint-restart'")
-        if self.shard not in ("none", "fsdp"):
-            raise UsageError(f"cluster.shard={self.shard!r}; allowed: 'none', 'fsdp'")
-        if self.shard == "fsdp" and self.backend == "local":
-            raise UsageError("cluster.shard='fsdp' needs cluster.backend='torch' (torchrun)")
+        spec = backend_spec(self.backend)
+        if self.shard not in spec.classes:
+            raise UsageError(f"cluster.shard={self.shard!r} is not available on cluster.backend={self.backend!r}; "
+                             f"allowed there: {', '.join(map(repr, spec.classes))}"
+                             + ("" if any(self.shard in s.classes for s in BACKENDS.values()) else
+                                " (the shard modes: 'none', 'fsdp')"))
+        if not spec.rollbacks and policies.get(self.policy, trainer=True).rolls_back:
+            raise UsageError(f"cluster.backend={self.backend!r} cannot send a run back to an earlier step: not with "
+                             f"cluster.policy={self.policy!r}")
         if self.low_rank_svd not in ("exact", "randomized", "auto"):
             raise UsageError(f"cluster.low_rank_svd={self.low_rank_svd!r}; allowed: 'exact', 'randomized', 'auto'")
         policies.get(self.policy, trainer=True).validate(self)
@@ -93,6 +93,44 @@ class ClusterConfig:
 
 
 # ---------------------------------------------------------------------------------------------- backends
+@dataclass(frozen=True)
+class BackendSpec:
+    """A registered backend: its name (cluster.backend), one line for --help, the command that starts its
+    processes, its classes by shard mode ("module:Class", imported when used), and whether a policy may send
+    its runs back to an earlier step (checkpoint-restart's rollback)."""
+
+    name: str
+    summary: str
+    started_by: str
+    classes: dict
+    rollbacks: bool = True
+
+
+BACKENDS = {s.name: s for s in (  # the only place backends are named
+    BackendSpec("local", "n ranks simulated in one process (pieces batched across ranks)", "python -m mecefo.train",
+                {"none": "mecefo.cluster:LocalCluster"}),
+    BackendSpec("torch", "one process per rank under torchrun (gloo on CPU, nccl on CUDA); --shard fsdp: FSDP2",
+                "torchrun --nproc_per_node N -m mecefo.train", {"none": "mecefo.cluster:TorchCluster",
+                                                                "fsdp": "mecefo.cluster:ShardedCluster"}),
+    BackendSpec("torchft", "one process per rank under torchft's Manager: real process deaths, healing from a peer",
+                "python -m mecefo.launch", {"none": "mecefo.ft:FtCluster"}, rollbacks=False),
+)}
+
+
+def backend_spec(name: str) -> BackendSpec:
+    if name not in BACKENDS:
+        raise UsageError(f"cluster.backend={name!r}; allowed: {', '.join(map(repr, BACKENDS))}")
+    return BACKENDS[name]
+
+
+def backend_class(cc: ClusterConfig) -> type["Backend"]:
+    """The class that runs cc's backend and shard mode (cc is validated)."""
+    import importlib
+
+    module, name = backend_spec(cc.backend).classes[cc.shard].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
 @dataclass
 class StepResult:
     loss: float  # weighted mean training loss over the pieces computed this step
@@ -100,7 +138,35 @@ class StepResult:
 
 
 @dataclass
-class _Common:
+class Backend:
+    """The data-parallel ranks a run trains on. mecefo.train.Run drives every backend with one loop; this
+    class is the contract (with the simulated backends' answers as defaults) and the computation they share.
+
+    Each step, in the loop's order (every process calls every hook):
+      begin(step) -> step          the step to run: `step`; torchft: its quorum's step (a healed replica
+                                   jumps to its peers' step)
+      failed(step, schedule)       the ranks down at the step: the schedule's; torchft: those missing from the
+                                   quorum (None: a peer died during the exchange, the step will not commit)
+      transition(plan, optimizer)  state lost by ranks that fail, given back to ranks that recover
+      prepare(plan)                low-rank subspaces refreshed where the plan uses them
+      step(plan) -> StepResult     this process's pieces; .grad then holds the aggregated gradient
+      abort()                      the step stops here (a non-finite loss): no peer commits it
+      commits(plan) -> bool        whether the step counts: always; torchft: its should_commit (a peer died)
+      updates(plan) -> bool        whether this process applies the optimizer update
+      end_step(row)                after the row is recorded (None: not committed); torchft: status, pacing
+    Around the steps:
+      setup(cfg, device, ...)      (class) join the processes; returns (rank, device)
+      build_model, open_data, agree  (class) the model, the token data, one decision for every process
+      connect(components, step)    join the peers before the first step (False: the run ended without us)
+      io(plan), writes(plan)       whether this process takes part in an evaluation / checkpoint (a collective
+                                   on the torch backends), and whether it evaluates and writes (plan None:
+                                   outside a step); sync_for_io(optimizer) gives the writer current state
+      components, parameters_finite, restore_checkpoint, agreement, extras, summary_extras
+      metrics_path(out), summary_path(out)  where this process writes its rows and summary (None: nowhere)
+      owns_out()                   this process writes OUT/config.json and truncates metrics on a resume
+      close()                      leave the peers
+    """
+
     model: torch.nn.Module
     data: object  # mecefo.data.TokenData
     seed: int
@@ -110,6 +176,77 @@ class _Common:
     n_ranks: int = 1
     _neighbours: dict = field(default_factory=dict)
     current_step: int = 0
+    rank: int = 0
+
+    # ------------------------------------------------------------------ processes
+    @classmethod
+    def setup(cls, cfg, device: torch.device, **options) -> tuple[int, torch.device]:
+        return 0, device
+
+    @classmethod
+    def build_model(cls, model_cfg, device: torch.device, seed: int) -> torch.nn.Module:
+        """The seeded model (the same initial weights in every process)."""
+        from .model import GPT
+
+        torch.manual_seed(seed)
+        return GPT(model_cfg).to(device)
+
+    @classmethod
+    def open_data(cls, cfg, main: bool):
+        from .data import TokenData
+
+        return TokenData(cfg.data)
+
+    @classmethod
+    def agree(cls, decide):
+        """decide() (rank 0 reads the output folder); its outcome for every process."""
+        return decide()
+
+    def connect(self, components: dict, step: int) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+    # ------------------------------------------------------------------ a step
+    def begin(self, step: int) -> int:
+        return step
+
+    def failed(self, step: int, schedule) -> frozenset[int] | None:
+        return schedule.failed[step]
+
+    def abort(self) -> None:
+        pass
+
+    def commits(self, plan: StepPlan) -> bool:
+        return True
+
+    def end_step(self, row: dict | None) -> None:
+        pass
+
+    # ------------------------------------------------------------------ files
+    def owns_out(self) -> bool:
+        return self.rank == 0
+
+    def io(self, plan: StepPlan | None) -> bool:
+        return True
+
+    def writes(self, plan: StepPlan | None) -> bool:
+        return self.rank == 0
+
+    def metrics_path(self, out):
+        return out / "metrics.jsonl" if self.rank == 0 else None
+
+    def summary_path(self, out):
+        return out / "summary.json" if self.rank == 0 else None
+
+    def extras(self) -> dict:
+        """Backend-specific entries of a metrics row (under its "backend" key)."""
+        return {}
+
+    def summary_extras(self) -> dict:
+        """Backend-specific entries of summary.json (under its "backend" key)."""
+        return {}
 
     def prepare(self, plan: StepPlan, computing: bool = True) -> None:
         """Refresh V1 (once per tau-step epoch) at a step where some rank uses low_rank_wgrad: every rank
@@ -181,7 +318,18 @@ class _Common:
         self.normalise(plan.counts(len(self.model.layers)))
         return StepResult(flat[-2].item() / max(flat[-1].item(), 1e-12), plan.samples())
 
-    every_rank_evaluates = False  # True where a forward pass is collective (FSDP)
+    def updates(self, plan: StepPlan) -> bool:
+        return not plan.skipped
+
+    def transition(self, plan: StepPlan, optimizer) -> None:
+        """Nothing is lost in one process: the single model is everyone's state."""
+
+    def sync_for_io(self, optimizer) -> None:
+        pass
+
+    def evaluates(self, plan: StepPlan | None) -> bool:
+        """Whether this process runs the evaluation (FSDP: every rank, the forward pass is collective)."""
+        return self.writes(plan)
 
     def components(self, optimizer) -> dict[str, Component]:
         """The model and the optimizer as checkpoint components (whole tensors; mecefo.checkpoint)."""
@@ -210,7 +358,7 @@ class _Common:
                 p.grad.div_(c)
 
 
-class LocalCluster(_Common):
+class LocalCluster(Backend):
     """n ranks simulated in one process, into the same .grad. The pieces of all ranks that share a
     micro-batch index and a technique set run as one batch (the model's weights are the same on every
     rank), so a step costs about what it costs one rank with the whole global batch, whatever n."""
@@ -230,17 +378,8 @@ class LocalCluster(_Common):
         self.normalise(plan.counts(len(self.model.layers)))
         return StepResult(loss_sum / max(weight_sum, 1e-12), plan.samples())
 
-    def updates(self, plan: StepPlan) -> bool:
-        return not plan.skipped
 
-    def transition(self, plan: StepPlan, optimizer) -> None:
-        """Nothing is lost in one process: the single model is everyone's state."""
-
-    def sync_for_io(self, optimizer) -> None:
-        pass
-
-
-class TorchCluster(_Common):
+class TorchCluster(Backend):
     """One process per rank (torchrun). A failed rank computes nothing and contributes zeros; everyone
     all-reduces the weighted gradient sums; a failed rank loses its state and, on recovery, receives the
     parameters, optimizer state and low-rank subspaces from a live rank before it rejoins."""
@@ -253,6 +392,55 @@ class TorchCluster(_Common):
         self.rank, self.n_ranks = dist.get_rank(), dist.get_world_size()
         self.valid = set(range(self.n_ranks))  # ranks whose state is current
         self.prev_failed: frozenset[int] = frozenset()
+
+    @classmethod
+    def setup(cls, cfg, device: torch.device, **options) -> tuple[int, torch.device]:
+        """Join the process group torchrun describes; returns (rank, this rank's device)."""
+        import os
+
+        import torch.distributed as dist
+
+        world = int(os.environ.get("WORLD_SIZE", "0"))
+        if world != cfg.cluster.ranks:
+            raise UsageError(f"cluster.backend='torch' needs torchrun with --nproc_per_node {cfg.cluster.ranks} "
+                             f"(WORLD_SIZE={world or 'unset'})")
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        return dist.get_rank(), device
+
+    @classmethod
+    def open_data(cls, cfg, main: bool):
+        """Rank 0 builds the token cache while the others wait, then everyone opens it."""
+        import torch.distributed as dist
+
+        data = Backend.open_data(cfg, main) if main else None
+        dist.barrier()
+        return data or Backend.open_data(cfg, main)
+
+    @classmethod
+    def agree(cls, decide):
+        """decide() on rank 0, its outcome (or its UsageError) on every rank, so that all ranks reuse a finished
+        run, or all stop, together."""
+        import torch.distributed as dist
+
+        outcome, failure = [None], None
+        if dist.get_rank() == 0:
+            try:
+                outcome[0] = ("ok", decide())
+            except UsageError as e:
+                outcome[0] = ("usage", str(e))
+            except Exception as e:  # anything else: every rank stops, rank 0 with the original error
+                outcome[0], failure = ("crash", f"rank 0 failed: {type(e).__name__}: {e}"), e
+        dist.broadcast_object_list(outcome, src=0)
+        kind, value = outcome[0]
+        if kind == "usage":
+            raise UsageError(value)
+        if kind == "crash":
+            raise failure if failure is not None else RuntimeError(value)
+        return value
 
     def transition(self, plan: StepPlan, optimizer) -> None:
         failed = plan.failed
@@ -356,7 +544,12 @@ class ShardedCluster(TorchCluster):
     compute, not its memory, so nothing is resynchronised at recovery.
     """
 
-    every_rank_evaluates = True
+    @classmethod
+    def build_model(cls, model_cfg, device: torch.device, seed: int) -> torch.nn.Module:
+        return sharded_model(model_cfg, device, seed)  # before the optimizer, which must see the shards
+
+    def evaluates(self, plan: StepPlan | None) -> bool:
+        return True  # every rank: the forward pass gathers the shards
 
     def transition(self, plan: StepPlan, optimizer) -> None:
         """Nothing is lost: every rank keeps its shard."""
@@ -368,7 +561,7 @@ class ShardedCluster(TorchCluster):
         return not plan.skipped  # every shard is updated, or its rows would go stale
 
     def prepare(self, plan: StepPlan, computing: bool = True) -> None:
-        _Common.prepare(self, plan)  # gathering a weight is a collective: every rank takes part
+        Backend.prepare(self, plan)  # gathering a weight is a collective: every rank takes part
 
     def step(self, plan: StepPlan) -> StepResult:
         self.current_step = plan.step

@@ -312,6 +312,14 @@ def resolve(spec: str, n_ranks: int, steps: int, seconds_per_step: float, seed: 
     return generate(scenario(spec), n_ranks, steps, seconds_per_step, seed, recovery, failable)  # raises
 
 
+def for_run(cfg) -> Schedule:
+    """The failure schedule of a run's config (mecefo.config.Config): its cluster section at its steps."""
+    cc = cfg.cluster
+    return resolve(cc.failures, cc.ranks, cfg.train.steps, cc.seconds_per_step,
+                   seed=cfg.train.seed if cc.failure_seed < 0 else cc.failure_seed, recovery=cc.recovery,
+                   failable=cc.failable_ranks(), start=cc.failure_start, failure_free_steps=cc.failure_free_steps)
+
+
 def read_failed_steps(path: Path, n_ranks: int, steps: int, seconds_per_step: float) -> Schedule:
     """A Schedule that replays logged failed sets step by step ({"n_ranks": n, "failed": [[ranks], ...]})."""
     import json
@@ -328,7 +336,12 @@ def read_failed_steps(path: Path, n_ranks: int, steps: int, seconds_per_step: fl
         raise UsageError(f"failed steps {path} cover {len(failed)} steps, fewer than {steps}")
     if any(not 0 <= r < n_ranks for f in failed for r in f):
         raise UsageError(f"failed steps {path} name a rank outside 0..{n_ranks - 1}")
-    failed = failed[:steps]
+    return logged(n_ranks, failed[:steps], seconds_per_step)
+
+
+def logged(n_ranks: int, failed: list[frozenset[int]], seconds_per_step: float) -> Schedule:
+    """The Schedule whose failed set at step s is failed[s] (its events where the sets change)."""
+    steps = len(failed)
     events = [Event(s * seconds_per_step, "remove", r) for s in range(1, steps) for r in sorted(failed[s] - failed[s - 1])]
     events += [Event(s * seconds_per_step, "add", r) for s in range(1, steps) for r in sorted(failed[s - 1] - failed[s])]
     return Schedule(n_ranks, tuple(failed), tuple(events), seconds_per_step, failed[0] if failed else frozenset())

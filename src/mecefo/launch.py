@@ -36,7 +36,7 @@ from pathlib import Path
 
 from . import config as config_mod
 from . import failures
-from .errors import TrainingStopped, UsageError, guarded
+from .errors import BAD_INPUT, CANNOT_GO_ON, TrainingStopped, UsageError, guarded
 from .records import atomic_write_json, atomic_write_text, git_commit
 
 POLL_S = 0.02
@@ -144,10 +144,8 @@ class Supervisor:
                     del self.procs[r]
                     if code != 0:
                         self.log(f"rank {r} exited with status {code}", kind="exit", rank=r, code=code)
-                    if code == 2:  # bad input (e.g. a checkpoint of another config): every replica would refuse it
-                        lines = (self.out / "replicas" / f"rank{r}.log").read_text().strip().splitlines()
-                        raise UsageError(next((ln[len("error: "):] for ln in reversed(lines) if ln.startswith("error: ")),
-                                              f"rank {r} refused its input"))
+                    if code in (BAD_INPUT, CANNOT_GO_ON):  # bad input (e.g. another config's checkpoint), or
+                        self.stop_with(r, code)            # a non-finite loss: every replica would stop the same way
             self.rejoining = {r for r in self.rejoining if r in self.procs and not self.training(r)}
             if not set(self.procs) - self.rejoining:  # nobody left who trains (a restarted one cannot heal)
                 if self.committed() >= steps:
@@ -157,6 +155,13 @@ class Supervisor:
                     f"all {n} replicas are dead at step {step}; nobody is left to heal the others. The last "
                     f"checkpoint in {self.out} is intact (if train.checkpoint_every wrote one); continue with --resume")
             time.sleep(POLL_S)
+
+    def stop_with(self, rank: int, code: int) -> None:
+        """Stop the run with the one line the replica stopped with (its log's 'error: ' or 'stopped: ' line)."""
+        prefix, error = ("error: ", UsageError) if code == BAD_INPUT else ("stopped: ", TrainingStopped)
+        lines = (self.out / "replicas" / f"rank{rank}.log").read_text().strip().splitlines()
+        raise error(next((f"rank {rank}: " + ln[len(prefix):] for ln in reversed(lines) if ln.startswith(prefix)),
+                         f"rank {rank} exited with status {code}"))
 
     def stop(self) -> None:
         for r, proc in list(self.procs.items()):
@@ -199,38 +204,39 @@ def kill_plan(schedule: failures.Schedule, explicit: list[str], n: int) -> tuple
 
 
 def resume_point(out: Path, cfg) -> int:
-    """The checkpoint's step (its config must be this run's); the replicas' rows after it are dropped, so
-    that the steps redone from the checkpoint are not counted twice."""
+    """The checkpoint's step (its config must be this run's); the replicas' rows and heals after it, and
+    their summaries, are dropped, so that the steps redone from the checkpoint are not counted twice."""
     from . import checkpoint
 
     step = checkpoint.load(out / "checkpoint.pt", cfg.hash())["step"]
-    for path in (out / "replicas").glob("rank*.jsonl"):
+    for path in [*(out / "replicas").glob("rank*.jsonl")]:
         keep = [line for line in path.read_text().splitlines()
                 if json.loads(line).get("step", json.loads(line).get("healed_at_step", 0)) <= step]
         atomic_write_text(path, "".join(line + "\n" for line in keep))
-    for path in (out / "replicas").glob("rank*.final.json"):
+    for path in (out / "replicas").glob("rank*.summary.json"):
         path.unlink()
     return step
 
 
 def merge(out: Path, cfg, supervisor: Supervisor) -> dict:
-    """metrics.jsonl, failed_steps.json, events.json and summary.json from the replicas' files."""
+    """metrics.jsonl, failed_steps.json, events.json and summary.json from the replicas' files: the metrics
+    rows and the summary in the trainer's schema (the summary's "backend" key holds the kills, the recovery
+    timings and the replicas compared)."""
     n, steps = cfg.cluster.ranks, cfg.train.steps
     rows, healed, per_rank = {}, [], {}
     for r in range(n):
+        path = out / "replicas" / f"rank{r}.heals.jsonl"
+        healed += [{"rank": r, **json.loads(line)} for line in path.read_text().splitlines()] if path.exists() else []
         path = out / "replicas" / f"rank{r}.jsonl"
-        if not path.exists():
-            continue
-        for line in path.read_text().splitlines():
+        for line in path.read_text().splitlines() if path.exists() else []:
             row = json.loads(line)
-            if "healed_at_step" in row:
-                healed.append({"rank": r, **row})
+            first = rows.setdefault(row["step"], row)
+            if row["step"] == 0:  # the evaluation before training: every replica that started at 0 made it
                 continue
             per_rank.setdefault(r, []).append(row["step"])
-            first = rows.setdefault(row["step"], row)
             if abs(first["loss"] - row["loss"]) > 1e-9 * max(1.0, abs(first["loss"])) or first["failed"] != row["failed"]:
-                raise TrainingStopped(f"step {row['step']}: replicas disagree (rank {first['rank']} vs rank {r})")
-            if "val_loss" in row:
+                raise TrainingStopped(f"step {row['step']}: replicas disagree (rank {first['backend']['rank']} vs rank {r})")
+            if row.get("val_loss") is not None:
                 first["val_loss"] = row["val_loss"]
     missing = [s for s in range(1, steps + 1) if s not in rows]
     if missing:
@@ -238,21 +244,23 @@ def merge(out: Path, cfg, supervisor: Supervisor) -> dict:
     for r, seq in per_rank.items():  # no step applied twice by a replica
         if any(b <= a for a, b in zip(seq, seq[1:])):
             raise TrainingStopped(f"rank {r} committed a step twice: {seq}")
-    finals = [json.loads(p.read_text()) for p in sorted((out / "replicas").glob("rank*.final.json"))]
-    finals = [f for f in finals if f["step"] == steps]
-    identical = all(f["digest"] == finals[0]["digest"] for f in finals)
-    atomic_write_text(out / "metrics.jsonl", "".join(json.dumps(rows[s]) + "\n" for s in range(1, steps + 1)))
-    atomic_write_json(out / "failed_steps.json", {"n_ranks": n, "failed": [rows[s]["failed"] for s in range(1, steps + 1)]})
+    finals = [json.loads(p.read_text()) for p in sorted((out / "replicas").glob("rank*.summary.json"))]
+    if not finals:
+        raise TrainingStopped("no replica wrote its summary")
+    identical = all(f["backend"]["digest"] == finals[0]["backend"]["digest"] for f in finals)
+    ordered = [rows[s] for s in range(0 if 0 in rows else 1, steps + 1)]
+    atomic_write_text(out / "metrics.jsonl", "".join(json.dumps(row) + "\n" for row in ordered))
+    failed = [rows[s]["failed"] for s in range(1, steps + 1)]
+    atomic_write_json(out / "failed_steps.json", {"n_ranks": n, "failed": failed})
     timings = recovery_times(supervisor.events, rows, healed)
     atomic_write_json(out / "events.json", {"events": supervisor.events, "healed": healed, "timings": timings})
-    summary = {"config": cfg.to_dict(), "config_hash": cfg.hash(), "backend": "torchft", "steps": steps,
-               "final_train_loss": rows[steps]["loss"], "final_val_loss": finals[0]["val_loss"],
-               "final_val_ppl": math.exp(finals[0]["val_loss"]), "final_test_loss": finals[0]["test_loss"],
-               "final_test_ppl": None if finals[0]["test_loss"] is None else math.exp(finals[0]["test_loss"]),
-               "splits": finals[0]["splits"],
-               "rank_agreement": {"ranks_checked": [f["rank"] for f in finals], "identical": identical},
-               "kills": sum(e["kind"] == "kill" for e in supervisor.events), "timings": timings,
-               "wall_time_s": time.time() - supervisor.t0, "git_commit": git_commit()}
+    happened = failures.logged(n, [frozenset(f) for f in failed], cfg.cluster.seconds_per_step)
+    summary = finals[0] | {
+        "final_train_loss": rows[steps]["loss"], "tokens_trained": rows[steps]["tokens_trained"],
+        "rank_agreement": {"ranks_checked": [f["backend"]["rank"] for f in finals], "identical": identical},
+        "failure_schedule": {"fraction_failed": happened.fraction_failed(), "events": happened.failure_events()},
+        "wall_time_s": time.time() - supervisor.t0, "git_commit": git_commit(),
+        "backend": {"name": "torchft", "kills": sum(e["kind"] == "kill" for e in supervisor.events), "timings": timings}}
     atomic_write_json(out / "summary.json", summary)
     if not identical:
         raise TrainingStopped(f"the live replicas ended with different parameters (ranks {summary['rank_agreement']})")
@@ -262,15 +270,15 @@ def merge(out: Path, cfg, supervisor: Supervisor) -> dict:
 def recovery_times(events: list, rows: dict, healed: list) -> dict:
     """Seconds from each kill to the first committed step without the killed rank, and from each restart
     to the first committed step the restarted rank took part in."""
-    committed = [rows[s] for s in sorted(rows)]
+    committed = [rows[s] for s in sorted(rows) if s > 0]
     to_first_step, to_rejoin = [], []
     for e in events:
         if e["kind"] == "kill":
-            after = [r["time"] for r in committed if r["time"] > e["time"] and e["rank"] in r["failed"]]
+            after = [r["backend"]["time"] for r in committed if r["backend"]["time"] > e["time"] and e["rank"] in r["failed"]]
             if after:
                 to_first_step.append(after[0] - e["time"])
         if e["kind"] == "start" and e["why"] != "initial":
-            after = [r["time"] for r in committed if r["time"] > e["time"] and e["rank"] not in r["failed"]]
+            after = [r["backend"]["time"] for r in committed if r["backend"]["time"] > e["time"] and e["rank"] not in r["failed"]]
             if after:
                 to_rejoin.append(after[0] - e["time"])
     return {"kill_to_step_s": to_first_step, "restart_to_rejoin_s": to_rejoin}
@@ -305,9 +313,7 @@ def main(argv: list[str] | None = None) -> int:
             if not (math.isfinite(args.min_step_s) and args.min_step_s >= 0):
                 raise UsageError(f"--min_step_s {args.min_step_s} must be a finite, non-negative number of seconds")
             cc = cfg.cluster
-            schedule = failures.resolve(cc.failures, cc.ranks, cfg.train.steps, cc.seconds_per_step,
-                                        cfg.train.seed if cc.failure_seed < 0 else cc.failure_seed, cc.recovery,
-                                        cc.failable_ranks(), cc.failure_start, cc.failure_free_steps)
+            schedule = failures.for_run(cfg)
             kills, down0 = kill_plan(schedule, args.kill, cc.ranks)
             start_step = 0
             if args.resume:
@@ -334,8 +340,8 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
             supervisor.run(down0)
             summary = merge(out, cfg, supervisor)
-            t = summary["timings"]
-            print(f"done: {summary['kills']} kills; val loss {summary['final_val_loss']:.4f}; kill -> first step without "
+            t = summary["backend"]["timings"]
+            print(f"done: {summary['backend']['kills']} kills; val loss {summary['final_val_loss']:.4f}; kill -> first step without "
                   f"the rank {_fmt(t['kill_to_step_s'])} s, restart -> rejoin {_fmt(t['restart_to_rejoin_s'])} s -> {out}", flush=True)
         finally:
             if supervisor is not None:

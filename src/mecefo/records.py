@@ -14,6 +14,36 @@ from pathlib import Path
 PACKAGES = ("torch", "numpy", "tokenizers", "scipy", "pandas", "matplotlib", "seaborn")
 
 
+# The record schema of a training run, the same on every backend (local, torch, FSDP, torchft; tests check
+# it): OUT/metrics.jsonl has one EVAL_ROW at step 0 and one STEP_ROW per step (plus "val_loss" on the
+# evaluation cadence), OUT/summary.json is one SUMMARY. Backend-specific entries live under "backend".
+EVAL_ROW = {"step": "0", "val_loss": "validation loss before training", "tokens_seen": "0"}
+STEP_ROW = {
+    "step": "the step just trained (1-based)", "loss": "weighted mean training loss (null: skipped, every rank down)",
+    "lr": "learning rate of the update", "grad_norm": "norm of the aggregated gradient before clipping",
+    "tokens_seen": "tokens of the global batches so far", "tokens_trained": "tokens that gave a gradient so far",
+    "samples": "sequences that gave a gradient this step", "tokens_per_s": "this step's trained tokens per second",
+    "down": "ranks down (the schedule's; torchft: missing from the quorum)",
+    "failed": "ranks computing nothing under the policy", "neighbours": "failed rank -> the rank covering it",
+    "attention_ranks": "|N_l|: ranks whose attention gradients enter the step",
+    "skipped": "every rank was down", "busiest_rank_flops": "the busiest rank's FLOPs / a normal rank's",
+    "replayed_steps": "steps replayed so far (checkpoint-restart)", "replay": "this step is a replay",
+    "grad_rel_error": "||g - g_exact|| / ||g_exact|| with --track_grad_error, else null",
+    "wall_time_s": "seconds trained so far", "backend": "backend-specific entries (torchft: rank, time)"}
+SUMMARY = {
+    "config": "the resolved config", "config_hash": "its hash", "seed": "train.seed", "steps": "train.steps",
+    "final_train_loss": "the last step's training loss", "final_val_loss": "validation loss at the end",
+    "final_val_ppl": "exp(final_val_loss)", "final_test_loss": "test loss (null: the data has no test split)",
+    "final_test_ppl": "exp(final_test_loss) or null", "splits": "the data's splits",
+    "n_parameters": "model parameters", "model": "the model's shape", "tokens_seen": "tokens of all global batches",
+    "tokens_trained": "tokens that gave a gradient", "replayed_steps": "steps replayed (checkpoint-restart)",
+    "skipped_steps": "steps with every rank down", "skipped_fraction": "skipped_steps / steps",
+    "rank_agreement": "ranks compared at the end and whether they hold the same state",
+    "failure_schedule": "fraction of rank-steps failed and failure events (torchft: as they happened)",
+    "wall_time_s": "seconds of training", "device": "torch device", "git_commit": "the code's commit",
+    "packages": "package versions", "backend": "name, and backend-specific entries (torchft: kills, timings)"}
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write to a temporary file in the same folder, then rename: readers never see a partial file."""
     path = Path(path)

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from . import checkpoint, failures, policies
 from . import config as config_mod
-from .cluster import LocalCluster, ShardedCluster, TorchCluster, sharded_model
+from .cluster import backend_class, backend_spec
 from .config import Config
 from .costs import Shape, analytic_flops
 from .data import TokenData
@@ -158,24 +158,6 @@ def _prepare_out(out: Path, cfg: Config, resume: bool) -> dict:
     return {"finished": None, "resume": ckpt.exists()}
 
 
-def _setup_backend(cfg: Config, device: torch.device) -> tuple[int, torch.device]:
-    """torch backend: join the process group torchrun describes; returns (rank, this rank's device)."""
-    if cfg.cluster.backend != "torch":
-        return 0, device
-    import torch.distributed as dist
-
-    world = int(os.environ.get("WORLD_SIZE", "0"))
-    if world != cfg.cluster.ranks:
-        raise UsageError(f"cluster.backend='torch' needs torchrun with --nproc_per_node {cfg.cluster.ranks} "
-                         f"(WORLD_SIZE={world or 'unset'})")
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return dist.get_rank(), device
-
-
 @dataclass
 class Progress:
     """The run's counters, a checkpoint component."""
@@ -195,50 +177,49 @@ class Progress:
 
 
 class Run:
-    """One training run: built from a config, it owns the model, optimizer, data, failure schedule,
-    policy, cluster backend and the run's files (see the module docstring)."""
+    """One training run: built from a config, it owns the model, optimizer, data, failure schedule, policy,
+    the backend's ranks (mecefo.cluster.Backend) and the run's files (see the module docstring). Its loop
+    (train, step) drives every backend: local, torch, FSDP and torchft."""
 
-    def __init__(self, cfg: Config, out: Path, device: torch.device, main: bool, quiet: bool):
-        self.cfg, self.out, self.device, self.main, self.quiet = cfg, Path(out), device, main, quiet
+    def __init__(self, cfg: Config, out: Path, device: torch.device, rank: int = 0, quiet: bool = False, **options):
+        """options: the backend's own (mecefo.ft: the replica's lighthouse, pacing, rejoining)."""
+        self.cfg, self.out, self.device, self.quiet = cfg, Path(out), device, quiet
         cc, tc = cfg.cluster, cfg.train
-        self.data = _token_data(cfg, main)
+        backend = backend_class(cc)
+        self.data = backend.open_data(cfg, rank == 0)
         self.model_cfg = preset(cfg.model.preset, vocab_size=self.data.vocab_size)
-        if cc.shard == "fsdp":  # sharded before the optimizer, which must see the shards
-            self.model = sharded_model(self.model_cfg, device, tc.seed)
-        else:
-            torch.manual_seed(tc.seed)
-            self.model = GPT(self.model_cfg).to(device)
+        self.model = backend.build_model(self.model_cfg, device, tc.seed)
         self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.schedule = failures.resolve(cc.failures, cc.ranks, tc.steps, cc.seconds_per_step,
-                                         tc.seed if cc.failure_seed < 0 else cc.failure_seed, cc.recovery,
-                                         cc.failable_ranks(), cc.failure_start, cc.failure_free_steps)
+        self.schedule = failures.for_run(cfg)
         self.policy = policies.get(cc.policy, trainer=True)(cc)
         self.lowrank = LowRankWgrad(r=cc.r, tau=cc.low_rank_tau, svd=cc.low_rank_svd, seed=tc.seed).bind(self.model)
-        backend = LocalCluster if cc.backend == "local" else (ShardedCluster if cc.shard == "fsdp" else TorchCluster)
         self.cluster = backend(self.model, self.data, tc.seed, device, self.lowrank,
-                               lambda: autocast(device, tc.precision), n_ranks=cc.ranks)
+                               lambda: autocast(device, tc.precision), n_ranks=cc.ranks, rank=rank, **options)
         self.flops = _FlopModel(self.model_cfg, cfg.data, cc.r)
         self.progress = Progress()
         self.components = self.cluster.components(self.optimizer) | {
             "rng": checkpoint.RNG(), "lowrank": self.lowrank, "policy": self.policy, "progress": self.progress}
         self.tokens_per_step = cfg.data.micro_batch_size * cfg.data.seq_len * cfg.data.grad_accum * cc.ranks
+        self.metrics = None
 
-    def start(self, resume: bool) -> int:
-        """Resume from out/checkpoint.pt (rank 0 has decided that it exists) or start afresh; returns the
-        first step."""
-        ckpt_path, metrics_path = self.out / "checkpoint.pt", self.out / "metrics.jsonl"
+    def start(self, resume: bool) -> int | None:
+        """Resume from out/checkpoint.pt (rank 0 has decided that it exists) or start afresh, and join the
+        peers; returns the first step (None: the run finished before this process could join it)."""
+        ckpt_path, metrics_path, owner = self.out / "checkpoint.pt", self.cluster.metrics_path(self.out), self.cluster.owns_out()
         start = 0
         if resume:
             start = self.cluster.restore_checkpoint(ckpt_path, self.cfg.hash(), self.components, self.optimizer)
-            if self.main:
+            if owner:
                 _truncate_metrics(metrics_path, start)
             _log(f"resuming {self.out} from step {start}", self.quiet)
-        elif self.main and metrics_path.exists():
+        elif owner and metrics_path.exists():
             metrics_path.unlink()
-        if self.main:
+        if owner:
             self.out.mkdir(parents=True, exist_ok=True)
             atomic_write_json(self.out / "config.json", {"config_hash": self.cfg.hash(), "config": self.cfg.to_dict()})
-        self.metrics = open(metrics_path, "a") if self.main else None
+        if not self.cluster.connect(self.components, start):
+            return None
+        self.metrics = open(metrics_path, "a") if metrics_path else None
         _log(_schedule_line(self.cfg, self.schedule), self.quiet)
         if start == 0:
             self.record({"step": 0, "val_loss": self.evaluate("val"), "tokens_seen": 0})
@@ -249,29 +230,37 @@ class Run:
             self.metrics.write(json.dumps(row) + "\n")
             self.metrics.flush()
 
-    def evaluate(self, split: str) -> float | None:
-        """The split's loss (None on ranks that do not evaluate, and for a split the data has not, e.g. C4's test)."""
-        if split not in self.data.splits:
+    def evaluate(self, split: str, plan=None) -> float | None:
+        """The split's loss (None in processes that do not evaluate at this step, and for a split the data has
+        not, e.g. C4's test)."""
+        if split not in self.data.splits or not self.cluster.io(plan):
             return None
         self.cluster.sync_for_io(self.optimizer)
-        if self.main or self.cluster.every_rank_evaluates:
+        if self.cluster.evaluates(plan):
             return evaluate(self.model, self.data, split, self.device, self.cfg.train.precision)
         return None
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, plan=None) -> None:
+        if not self.cluster.io(plan):
+            return
         self.cluster.sync_for_io(self.optimizer)
         if not self.cluster.parameters_finite():  # a finite loss can still be followed by a non-finite update
             raise TrainingStopped(f"step {step}: the parameters are not finite after the update; the last checkpoint "
                                   f"in {self.out} is kept")
         states = checkpoint.gather(self.components)  # every rank: gathering FSDP shards is collective
-        if self.main:
+        if self.cluster.writes(plan):
             checkpoint.save(self.out / "checkpoint.pt", step, self.cfg.hash(), states)
 
-    def step(self, step: int) -> tuple[dict, object]:
-        """Train step `step` (0-based) under the policy; returns its metrics row and plan."""
+    def step(self, step: int) -> tuple[dict | None, object]:
+        """Train step `step` (0-based) under the policy; returns its metrics row (None: the step did not
+        commit, torchft's peer died during it, and is redone) and its plan."""
         cc, dc = self.cfg.cluster, self.cfg.data
         t0 = time.perf_counter()
-        plan = self.policy.plan(step, self.schedule.failed[step], cc.ranks, dc.grad_accum, dc.micro_batch_size, cc.all_down)
+        down = self.cluster.failed(step, self.schedule)
+        if down is None:
+            self.cluster.commits(None)
+            return None, None
+        plan = self.policy.plan(step, down, cc.ranks, dc.grad_accum, dc.micro_batch_size, cc.all_down)
         self.cluster.transition(plan, self.optimizer)
         self.lowrank.steps = step
         self.cluster.prepare(plan)
@@ -285,24 +274,29 @@ class Run:
         if not plan.skipped:
             loss, grad_norm = result.loss, clip_gradients(self.model, self.cfg.optim.grad_clip)
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                self.cluster.abort()
                 raise TrainingStopped(f"step {step + 1}: non-finite training loss {loss} or gradient norm {grad_norm} "
                                       f"(lr {lr:.3g}); nothing written for this step, the last checkpoint in "
                                       f"{self.out} is kept")
-            self.progress.last_loss = loss
+        if not self.cluster.commits(plan):
+            self.model.zero_grad(set_to_none=True)
+            return None, plan
         if self.cluster.updates(plan):
             apply_update(self.optimizer, lr)
         self.model.zero_grad(set_to_none=True)
         p = self.progress
+        p.last_loss = loss if loss is not None else p.last_loss
         p.tokens_trained += result.samples * dc.seq_len
         p.skipped_steps += plan.skipped
         per_rank = self.flops.per_rank(plan)
         row = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                "tokens_seen": (step + 1) * self.tokens_per_step, "tokens_trained": p.tokens_trained,
                "samples": result.samples, "tokens_per_s": result.samples * dc.seq_len / (time.perf_counter() - t0),
-               "down": sorted(self.schedule.failed[step]), "failed": sorted(plan.failed), "neighbours": {str(j): nb for j, nb in plan.neighbours.items()},
+               "down": sorted(down), "failed": sorted(plan.failed), "neighbours": {str(j): nb for j, nb in plan.neighbours.items()},
                "attention_ranks": plan.counts(1)["attention.0"] / dc.grad_accum, "skipped": plan.skipped,
                "busiest_rank_flops": max(per_rank.values(), default=0) / self.flops.normal_rank,
-               "replayed_steps": self.policy.replayed_steps, "replay": step + 1 <= p.furthest, "grad_rel_error": rel_error}
+               "replayed_steps": self.policy.replayed_steps, "replay": step + 1 <= p.furthest, "grad_rel_error": rel_error,
+               "backend": self.cluster.extras()}
         p.furthest = max(p.furthest, step + 1)
         return row, plan
 
@@ -312,18 +306,28 @@ class Run:
         bar = tqdm(total=tc.steps, initial=start, desc=f"train {self.cfg.model.preset}", dynamic_ncols=True,
                    disable=self.quiet or not sys.stderr.isatty())
         t0, wall0, step, was_skipped = time.perf_counter(), self.progress.wall_time_s, start, False
-        while step < end:
+        while True:
+            step = self.cluster.begin(step)
+            if step >= end:
+                break
             back = self.policy.before_step(step, self.schedule, self.model, self.optimizer)
             if back is not None:  # the policy sends the run back (checkpoint-restart's rollback)
                 step = back
                 continue
             row, plan = self.step(step)
+            if row is None:
+                _log(f"step {step + 1} not committed (a peer failed during it); redoing it", self.quiet)
+                self.cluster.end_step(None)
+                continue
             step += 1
             self.policy.after_step(step, self.model, self.optimizer)
             self.progress.wall_time_s = row["wall_time_s"] = wall0 + time.perf_counter() - t0
             if step % tc.eval_every == 0 or step == tc.steps:
-                row["val_loss"] = self.evaluate("val")
+                val_loss = self.evaluate("val", plan)
+                if val_loss is not None:
+                    row["val_loss"] = val_loss
             self.record(row)
+            self.cluster.end_step(row)
             bar.update(1)
             bar.set_postfix(loss="skipped" if plan.skipped else f"{row['loss']:.3f}", failed=len(plan.failed))
             if plan.skipped and not was_skipped:
@@ -336,17 +340,19 @@ class Run:
                      f"{row['tokens_per_s']:.0f} tok/s" + (f" val_loss {row['val_loss']:.4f}" if row.get("val_loss") else ""),
                      self.quiet)
             if (tc.checkpoint_every and step % tc.checkpoint_every == 0) or step == end:
-                self.save(step)
+                self.save(step, plan)
         bar.close()
         if self.metrics:
             self.metrics.close()
 
     def summary(self) -> dict:
-        """Final evaluation; rank 0 writes summary.json and prints the last line."""
+        """Final evaluation; the process the backend names writes summary.json (torchft: each replica its own,
+        which the launcher merges) and prints the last line."""
         tc, p = self.cfg.train, self.progress
         val_loss, test_loss = self.evaluate("val"), self.evaluate("test")
         agreement = self.cluster.agreement()
-        if not self.main:
+        path = self.cluster.summary_path(self.out)
+        if path is None:
             return {}
         summary = {
             "config": self.cfg.to_dict(), "config_hash": self.cfg.hash(), "seed": tc.seed, "steps": tc.steps,
@@ -359,9 +365,9 @@ class Run:
             "skipped_fraction": p.skipped_steps / tc.steps, "rank_agreement": agreement,
             "failure_schedule": {"fraction_failed": self.schedule.fraction_failed(), "events": self.schedule.failure_events()},
             "wall_time_s": p.wall_time_s, "device": str(self.device), "git_commit": git_commit(),
-            "packages": package_versions(),
+            "packages": package_versions(), "backend": {"name": self.cfg.cluster.backend, **self.cluster.summary_extras()},
         }
-        atomic_write_json(self.out / "summary.json", summary)
+        atomic_write_json(path, summary)
         warning = ""
         if p.skipped_steps > tc.steps / 2:
             warning = (f"; warning: {p.skipped_steps} of {tc.steps} steps ({100 * summary['skipped_fraction']:.0f}%) "
@@ -373,18 +379,19 @@ class Run:
 def run(cfg: Config, out: Path, resume: bool = False, stop_after: int | None = None, quiet: bool = False) -> dict:
     """Train cfg for cfg.train.steps steps (or until stop_after, leaving a checkpoint) and return the summary.
     Under the torch backend every process calls run(); rank 0 alone writes files and prints."""
-    if cfg.cluster.backend == "torchft":
-        raise UsageError("cluster.backend='torchft' runs one process per rank under a supervisor: "
-                         "use python -m mecefo.launch (see README, Real failures)")
+    spec = backend_spec(cfg.cluster.backend)
+    if "mecefo.train" not in spec.started_by:
+        raise UsageError(f"cluster.backend={spec.name!r} starts its processes under {spec.started_by} "
+                         "(see README, Real failures)")
     if stop_after is not None and stop_after < 1:
         raise UsageError(f"--stop-after {stop_after} must be at least 1 (the step after which to stop)")
-    device = resolve_device(cfg.train.device)
-    rank, device = _setup_backend(cfg, device)
+    backend = backend_class(cfg.cluster)
+    rank, device = backend.setup(cfg, resolve_device(cfg.train.device))
     main = rank == 0
-    decision = _agree(cfg, lambda: _prepare_out(Path(out), cfg, resume) if main else None)
+    decision = backend.agree(lambda: _prepare_out(Path(out), cfg, resume))
     if decision["finished"] is not None:
         return decision["finished"]
-    training = Run(cfg, out, device, main, quiet or not main)
+    training = Run(cfg, out, device, rank, quiet or not main)
     lock = Path(out) / LOCK
     if main:  # held while this process trains into out; a second run on the same out is refused meanwhile
         lock.parent.mkdir(parents=True, exist_ok=True)
@@ -395,6 +402,7 @@ def run(cfg: Config, out: Path, resume: bool = False, stop_after: int | None = N
         training.train(start, end)
         return training.summary() if end == cfg.train.steps else {"stopped_at": end}
     finally:
+        training.cluster.close()
         if main and _lock_holder(Path(out)) is None and lock.exists():
             lock.unlink()
 
@@ -412,40 +420,6 @@ def _failure_free_gradient(cluster, plan, cfg: Config) -> list[torch.Tensor]:
 def _relative_error(model: GPT, exact: list[torch.Tensor]) -> float:
     """mecefo.stats.relative_error of the aggregated gradient against the failure-free one, all parameters."""
     return relative_error([p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()], exact)
-
-
-def _agree(cfg: Config, decide):
-    """Run decide() (rank 0 reads the output folder) and give its outcome, or its UsageError, to every rank,
-    so that under torchrun all ranks reuse a finished run, or all stop, together."""
-    if cfg.cluster.backend != "torch":
-        return decide()
-    import torch.distributed as dist
-
-    outcome, failure = [None], None
-    try:
-        outcome[0] = ("ok", decide())
-    except UsageError as e:
-        outcome[0] = ("usage", str(e))
-    except Exception as e:  # anything else: every rank stops, rank 0 with the original error
-        outcome[0], failure = ("crash", f"rank 0 failed: {type(e).__name__}: {e}"), e
-    dist.broadcast_object_list(outcome, src=0)
-    kind, value = outcome[0]
-    if kind == "usage":
-        raise UsageError(value)
-    if kind == "crash":
-        raise failure if failure is not None else RuntimeError(value)
-    return value
-
-
-def _token_data(cfg: Config, main: bool) -> TokenData:
-    """Under torchrun, rank 0 builds the token cache while the others wait, then everyone opens it."""
-    if cfg.cluster.backend != "torch":
-        return TokenData(cfg.data)
-    import torch.distributed as dist
-
-    data = TokenData(cfg.data) if main else None
-    dist.barrier()
-    return data or TokenData(cfg.data)
 
 
 def _schedule_line(cfg: Config, schedule: failures.Schedule) -> str:

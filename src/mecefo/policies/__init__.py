@@ -41,6 +41,7 @@ class Policy:
     order: ClassVar[int] = 100  # position in tables
     trains: ClassVar[bool] = True  # the trainer can run it (False: a throughput model only)
     exact: ClassVar[bool] = False  # computes every sample exactly: its quality is failure-free training's
+    rolls_back: ClassVar[bool] = False  # before_step may send the run back to an earlier step
 
     def __init__(self, config=None, techniques=None):
         """config: the run's mecefo.cluster.ClusterConfig (None in the simulator and in tools); techniques:

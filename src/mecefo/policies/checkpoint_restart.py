@@ -31,6 +31,7 @@ class CheckpointRestart(Policy):
     summary = "each new failure rolls everyone back to the last checkpoint and replays; spare nodes replace failed ones"
     order = 5
     exact = True
+    rolls_back = True
 
     def __init__(self, config=None, techniques=None):
         super().__init__(config, techniques)
