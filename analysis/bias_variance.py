@@ -24,6 +24,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
+from mecefo import checkpoint
 from mecefo.errors import guarded
 from mecefo.results import load_config, measurement, quick_flag, reusable, run_dir, sources_digest
 
@@ -109,7 +110,7 @@ def measure(quick: bool) -> dict:
     work = [(c, e) for c in checkpoints(cfg, quick).items() for e in estimators(quick, n)]
     bar = tqdm(total=len(work), desc="bias/variance", disable=not sys.stderr.isatty())
     for (stage, path) in checkpoints(cfg, quick).items():
-        model.load_state_dict(torch.load(path, weights_only=False)["model"])
+        model.load_state_dict(checkpoint.read(path)["model"])
         ref = reference_gradient(np.stack([sampler.draw("mecefo", frozenset(), 100_000 + i, Techniques(), 0.125)
                                            for i in range(k_ref)]))
         for est in estimators(quick, n):

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from mecefo import checkpoint
 from mecefo.records import atomic_write_json, git_commit, stable_hash
 from mecefo.results import measurement, quick_flag, sources_digest
 from mecefo.data import TokenData
@@ -73,7 +74,7 @@ def split_check(quick: bool, start: Path) -> dict:
     cfg = reference_config(quick)
     data = TokenData(cfg.data)
     model = GPT(preset("nano", vocab_size=data.vocab_size))
-    model.load_state_dict(torch.load(start, map_location="cpu", weights_only=False)["model"])
+    model.load_state_dict(checkpoint.read(start)["model"])
     return {k: held_out_gradient_sq(model, data, k) for k in SPLITS}
 
 
@@ -87,7 +88,7 @@ def reference(quick: bool) -> tuple[Path, list[dict]]:
     curve_path = out / "grad_sq_curve.json"
     if curve_path.exists() and (out / "checkpoint.pt").exists():
         return out / "checkpoint.pt", json.loads(curve_path.read_text())
-    training = Run(cfg, out, torch.device("cpu"), main=True, quiet=True)
+    training = Run(cfg, out, torch.device("cpu"), quiet=True)
     training.start(resume=False)
     marks, curve = {steps >> k for k in range(6)}, []
     for step in range(steps):
@@ -140,8 +141,8 @@ def one_run(policy: str, n: int, steps: int, seed: int, start: Path, c: float = 
                                  "checkpoint_every": 0, "ranks": n, "failures": level, "policy": name,
                                  "seconds_per_step": SECONDS_PER_STEP})
     out = run_dir("rate_gpt/runs", cfg)
-    training = Run(cfg, out, torch.device("cpu"), main=True, quiet=True)
-    training.model.load_state_dict(torch.load(start, map_location="cpu", weights_only=False)["model"])
+    training = Run(cfg, out, torch.device("cpu"), quiet=True)
+    training.model.load_state_dict(checkpoint.read(start)["model"])
     training.start(resume=False)
     points = sorted({round(k * steps / EVAL_POINTS) for k in range(EVAL_POINTS + 1)})
     estimates, failed_steps = [], 0

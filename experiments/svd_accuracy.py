@@ -26,6 +26,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from mecefo import checkpoint
 from mecefo.costs import svd_flops
 from mecefo.model import preset
 from mecefo.neighbour import LowRankWgrad, exact_right_basis, randomized_right_basis, resolve_r
@@ -54,7 +55,7 @@ def matrices(profile: str) -> list[tuple[str, torch.Tensor]]:
     ckpt = failure_free_run(profile == "quick") / "checkpoint.pt"
     out = []
     if ckpt.exists():
-        state = torch.load(ckpt, map_location="cpu", weights_only=False)["model"]
+        state = checkpoint.read(ckpt)["model"]
         layers = sorted({k.split(".")[1] for k in state if k.startswith("layers.")}, key=int)
         for l in (layers[0], layers[-1]):
             for proj in ("gate_proj", "up_proj", "down_proj"):

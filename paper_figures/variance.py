@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import sys
 
-from mecefo.errors import UsageError, guarded
+from mecefo.errors import guarded
+from mecefo.stats import seeds_needed
 from mecefo.results import quick_flag, read_measurement
 
 from .common import write_table
@@ -20,7 +21,6 @@ COMPARISONS = ("mecefo-none", "drop-none", "mecefo-drop")
 def seeds_for(cell: dict) -> str:
     k = cell.get("seeds_for_1")  # experiments.variance computes it (results written before it did: recomputed)
     if k is None and "seeds_for_1" not in cell:
-        
         k = seeds_needed(cell["sd"])
     return "—" if k is None else str(k)
 

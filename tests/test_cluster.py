@@ -1,7 +1,5 @@
+import dataclasses
 import json
-import os
-import subprocess
-import sys
 from contextlib import nullcontext
 
 import pytest
@@ -19,6 +17,7 @@ from mecefo.data import DataConfig, TokenData
 from mecefo.model import GPT, preset
 from mecefo.neighbour import MECEFO, LowRankWgrad, Neighbour, Techniques
 from mecefo.train import main, run
+from tests.conftest import metrics, model_params, python_module, torchrun, write_trace
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -121,9 +120,8 @@ def test_local_aggregation_matches_an_independent_computation(nano_data):
 @pytest.mark.slow
 def test_failure_free_local_aggregation_equals_ddp(nano_data, tmp_path):
     out = tmp_path / "ddp.pt"
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(ROOT / "tests" / "ddp_reference.py"), str(out)], capture_output=True, text=True, env=env)
+    proc = python_module("torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                         str(ROOT / "tests" / "ddp_reference.py"), str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     ddp = torch.load(out)
     data = TokenData(DataConfig(vocab_size=512, seq_len=64, micro_batch_size=4))
@@ -141,31 +139,20 @@ def test_rank_flops_of_a_neighbour():
     assert per == {1: 8 * 2 * 2 + 5}
 
 
-def _write_trace(path):
-    # rank 1 fails at step 2 and recovers at step 6; rank 0 fails at step 4 and recovers at step 8
-    path.write_text("0,add,node1\n0,add,node2\n0,add,node3\n0,add,node4\n"
-                    "2000,remove,node2\n4000,remove,node1\n6000,add,node2\n8000,add,node1\n")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["mecefo", "spread-mecefo"])
 def test_local_and_gloo_backends_end_with_the_same_parameters(tmp_path, policy):
-    trace = tmp_path / "trace.csv"
-    _write_trace(trace)
+    trace = write_trace(tmp_path)
     common = ["--config", str(CONFIGS / "nano.toml"), "--steps", "10", "--eval_every", "5", "--failures", str(trace),
               "--seconds_per_step", "1", "--policy", policy, "--ranks", "4", "--cluster.r", "4", "--quiet"]
     assert main(common + ["--out", str(tmp_path / "local")]) == 0
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
-                           "-m", "mecefo.train", *common, "--backend", "torch", "--out", str(tmp_path / "gloo")],
-                          capture_output=True, text=True, env=env, cwd=ROOT)
+    proc = torchrun(4, common + ["--backend", "torch", "--out", str(tmp_path / "gloo")])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    a = torch.load(tmp_path / "local" / "checkpoint.pt", weights_only=False)["model"]
-    b = torch.load(tmp_path / "gloo" / "checkpoint.pt", weights_only=False)["model"]
+    a, b = model_params(tmp_path / "local"), model_params(tmp_path / "gloo")
     for name in a:
         assert torch.isfinite(b[name]).all(), name  # the recovered ranks were resynchronised
         assert torch.allclose(a[name], b[name], atol=1e-5, rtol=1e-4), name
-    rows = [json.loads(line) for line in (tmp_path / "gloo" / "metrics.jsonl").read_text().splitlines()][1:]
+    rows = metrics(tmp_path / "gloo")[1:]
     assert [r["failed"] for r in rows][:9] == [[], [], [1], [1], [0, 1], [0, 1], [0], [0], []]
 
 
@@ -194,7 +181,7 @@ def test_all_ranks_down_skips_the_step_or_stops(tmp_path, capsys):
     args = ["--config", str(CONFIGS / "nano.toml"), "--steps", "6", "--ranks", "2", "--failures", str(trace),
             "--seconds_per_step", "1", "--quiet"]
     assert main(args + ["--out", str(tmp_path / "skip")]) == 0
-    rows = [json.loads(line) for line in (tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()][1:]
+    rows = metrics(tmp_path / "skip")[1:]
     assert [r["skipped"] for r in rows] == [False, False, True, True, False, False]
     assert [r["loss"] is None for r in rows] == [r["skipped"] for r in rows]  # no NaN printed as a loss
     assert [r["tokens_per_s"] == 0 for r in rows] == [r["skipped"] for r in rows]  # only trained tokens count
@@ -252,13 +239,33 @@ def test_batched_pieces_give_the_per_piece_gradients(policy):
     cluster.prepare(plan)
     batched = cluster.step(plan)
     got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    loss_sum, weight_sum = 0.0, 0.0
+    # every piece alone, as a plan of its own: its gradient times its weights is its share of the weighted sum
+    sums, loss_sum, weight_sum, layers = {}, 0.0, 0.0, len(model.layers)
     for rank in sorted(plan.pieces):
-        ls, ws = cluster.run_pieces(plan.pieces[rank])
-        loss_sum, weight_sum = loss_sum + ls, weight_sum + ws
-    cluster.normalise(plan.counts(len(model.layers)))
-    want = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        for piece in plan.pieces[rank]:
+            alone = dataclasses.replace(plan, pieces={rank: (piece,)})
+            loss_sum, weight_sum = loss_sum + cluster.step(alone).loss * piece.weight, weight_sum + piece.weight
+            counts = alone.counts(layers)
+            for n, p in model.named_parameters():
+                if p.grad is not None:
+                    sums[n] = sums.get(n, 0.0) + p.grad * counts[group_of(n)]
+    full = plan.counts(layers)
+    want = {n: g / full[group_of(n)] for n, g in sums.items()}
     assert got.keys() == want.keys()
     assert all(torch.allclose(got[n], want[n], atol=1e-12, rtol=1e-10) for n in got)
     assert batched.loss == pytest.approx(loss_sum / weight_sum, rel=1e-6)  # the loss is taken in fp32
+
+
+def test_grad_rel_error_is_zero_for_an_exact_policy_and_positive_for_mecefo(tmp_path):
+    """Assumption 3's relative error, logged with --track_grad_error: ndb-exact computes the failure-free
+    gradient (0 up to float sums), MeCeFO's techniques do not; steps without failures log none."""
+    args = ["--config", str(CONFIGS / "nano.toml"), "--quiet", "--steps", "6", "--ranks", "4", "--failures",
+            str(write_trace(tmp_path)), "--seconds_per_step", "1", "--cluster.r", "4", "--track_grad_error", "true"]
+    errors = {}
+    for policy in ("ndb-exact", "mecefo"):
+        assert main(args + ["--policy", policy, "--out", str(tmp_path / policy)]) == 0
+        rows = metrics(tmp_path / policy)[1:]
+        assert all(r["grad_rel_error"] is None for r in rows if not r["failed"])
+        errors[policy] = [r["grad_rel_error"] for r in rows if r["failed"]]
+    assert len(errors["ndb-exact"]) == 4 and max(errors["ndb-exact"]) < 1e-5
+    assert len(errors["mecefo"]) == 4 and all(0.01 < e < 2 for e in errors["mecefo"])

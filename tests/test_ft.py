@@ -2,32 +2,16 @@
 the local backend replaying the same failed steps."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from experiments.common import CONFIGS, ROOT
 from mecefo.errors import UsageError
 from mecefo.failures import read_failed_steps, resolve
 from mecefo.launch import kill_plan
 from mecefo.train import main as train_main
+from tests.conftest import NANO, launch, metrics
 
 pytestmark = pytest.mark.filterwarnings("ignore")
-NANO = ["--config", str(CONFIGS / "nano.toml")]
-
-
-def _launch(out, *args, env=None, timeout=240):
-    # one thread per replica, the launcher's default: the twins' tolerance (rel 1e-5 over 100-150 steps) was
-    # measured so; with OMP_NUM_THREADS=2 per replica the sums' order differs and step 80 differs by 4e-5
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "mecefo.launch", *NANO, "--out", str(out), *args],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
-
-
-def _rows(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 @pytest.mark.slow
@@ -36,7 +20,7 @@ def test_killed_replicas_come_back_and_the_run_equals_its_simulated_twin(tmp_pat
     killed while covering it, so rank 0 covers both. The run completes, every step is committed once,
     the live replicas end identical, and the loss curve is the local backend's on the same failed steps."""
     out = tmp_path / "ft"
-    r = _launch(out, "--ranks", "3", "--steps", "100", "--eval_every", "50", "--min-step-s", "0.12",
+    r = launch(out, "--ranks", "3", "--steps", "100", "--eval_every", "50", "--min-step-s", "0.12",
                 "--kill", "1:8:12", "--kill", "1:heal", "--kill", "2:16:30", env={"MECEFO_FT_HEAL_DELAY_S": "1.5"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -46,7 +30,7 @@ def test_killed_replicas_come_back_and_the_run_equals_its_simulated_twin(tmp_pat
     assert sorted(e["rank"] for e in kills) == [1, 1, 2]
     assert [e["rank"] for e in kills if e["why"] == "while healing"] == [1]
     assert {1, 2} <= {h["rank"] for h in events["healed"]}  # a survivor whose commit failed may heal too
-    rows = _rows(out / "metrics.jsonl")
+    rows = metrics(out)
     assert [row["step"] for row in rows] == list(range(0, 101))  # none lost (merge refuses doubles)
     assert rows[0]["val_loss"] > 0 and [row["step"] for row in rows if "val_loss" in row] == [0, 50, 100]
     rows = rows[1:]
@@ -56,7 +40,8 @@ def test_killed_replicas_come_back_and_the_run_equals_its_simulated_twin(tmp_pat
     twin = tmp_path / "twin"
     assert train_main([*NANO, "--ranks", "3", "--steps", "100", "--eval_every", "50", "--quiet", "--out", str(twin),
                        "--failures", f"steps:{out / 'failed_steps.json'}"]) == 0
-    local = [row for row in _rows(twin / "metrics.jsonl") if row["step"] > 0]
+    local = [row for row in metrics(twin) if row["step"] > 0]
+    assert len(rows) == len(local) == 100
     # the same plans; the sums differ only in order (pieces batched across ranks vs one all-reduce)
     for a, b in zip(rows, local):
         assert a["failed"] == b["failed"]
@@ -67,7 +52,7 @@ def test_killed_replicas_come_back_and_the_run_equals_its_simulated_twin(tmp_pat
 @pytest.mark.slow
 def test_every_replica_dead_stops_with_the_last_checkpoint_intact(tmp_path):
     out = tmp_path / "ft"
-    r = _launch(out, "--ranks", "2", "--steps", "40", "--checkpoint_every", "5", "--min-step-s", "0.05",
+    r = launch(out, "--ranks", "2", "--steps", "40", "--checkpoint_every", "5", "--min-step-s", "0.05",
                 "--kill", "0:12", "--kill", "1:12")
     assert r.returncode == 3, r.stdout[-2000:] + r.stderr[-2000:]
     assert "all 2 replicas are dead" in r.stderr and "--resume" in r.stderr
@@ -78,13 +63,13 @@ def test_every_replica_dead_stops_with_the_last_checkpoint_intact(tmp_path):
 
 
 def test_bad_input_is_refused_before_anything_starts(tmp_path):
-    r = _launch(tmp_path / "a", "--ranks", "2", "--kill", "one:2")
+    r = launch(tmp_path / "a", "--ranks", "2", "--kill", "one:2")
     assert r.returncode == 2 and "--kill" in r.stderr
-    r = _launch(tmp_path / "b", "--ranks", "2", "--kill", "5:2")
+    r = launch(tmp_path / "b", "--ranks", "2", "--kill", "5:2")
     assert r.returncode == 2 and "rank must be in 0..1" in r.stderr
-    r = _launch(tmp_path / "e", "--ranks", "2", "--kill", "1:0")
+    r = launch(tmp_path / "e", "--ranks", "2", "--kill", "1:0")
     assert r.returncode == 2 and "STEP must be at least 1" in r.stderr
-    r = _launch(tmp_path / "c", "--ranks", "2", "--policy", "checkpoint-restart")
+    r = launch(tmp_path / "c", "--ranks", "2", "--policy", "checkpoint-restart")
     assert r.returncode == 2 and "torchft" in r.stderr
     assert train_main([*NANO, "--backend", "torchft", "--quiet", "--out", str(tmp_path / "d")]) == 2
 
@@ -116,29 +101,37 @@ def test_failed_steps_replay_exactly(tmp_path):
 @pytest.mark.slow
 def test_resume_after_every_replica_died_completes_the_run(tmp_path):
     out = tmp_path / "ft"
-    r = _launch(out, "--ranks", "2", "--steps", "30", "--checkpoint_every", "5", "--min-step-s", "0.05", "--kill", "0:12",
+    r = launch(out, "--ranks", "2", "--steps", "30", "--checkpoint_every", "5", "--min-step-s", "0.05", "--kill", "0:12",
                 "--kill", "1:12")
-    assert r.returncode == 3, r.stderr[-2000:]
-    r = _launch(out, "--ranks", "2", "--steps", "30", "--checkpoint_every", "5", "--min-step-s", "0.05", "--kill", "0:12",
-                "--kill", "1:12", "--resume")  # the kills up to the checkpoint's step are not repeated
-    assert r.returncode in (0, 3), r.stderr[-2000:]
-    if r.returncode == 3:  # the checkpoint was before step 12: the same kills stop it again, with the message
-        assert "all 2 replicas are dead" in r.stderr
-        r = _launch(out, "--ranks", "2", "--steps", "30", "--checkpoint_every", "5", "--resume")
+    assert r.returncode == 3 and "all 2 replicas are dead" in r.stderr, r.stderr[-2000:]
+    import torch
+
+    at = torch.load(out / "checkpoint.pt", weights_only=False)["step"]
+    r = launch(out, "--ranks", "2", "--steps", "30", "--checkpoint_every", "5", "--resume")
     assert r.returncode == 0, r.stderr[-2000:]
-    assert [row["step"] for row in _rows(out / "metrics.jsonl")] == list(range(0, 31))
+    assert f"resuming {out} from step {at}" in (out / "replicas" / "rank0.log").read_text()
+    rows = metrics(out)
+    assert [row["step"] for row in rows] == list(range(0, 31))  # each step once: those after the checkpoint redone
+    assert not any(e["kind"] == "kill" for e in json.loads((out / "events.json").read_text())["events"])
+
+
+@pytest.mark.slow
+def test_a_non_finite_loss_on_torchft_stops_the_run_with_its_step(tmp_path):
+    r = launch(tmp_path / "ft", "--ranks", "2", "--steps", "6", "--lr", "1e30", "--warmup_steps", "0")
+    assert r.returncode == 3, r.stderr[-2000:]
+    assert "non-finite training loss" in r.stderr and "replicas are dead" not in r.stderr
 
 
 @pytest.mark.slow
 def test_a_table1_style_kill_schedule_trains_to_the_end_equal_to_its_twin(tmp_path):
     out, twin = tmp_path / "ft", tmp_path / "twin"
     args = ["--ranks", "4", "--steps", "150", "--failures", "custom:0.1:0.5", "--seconds_per_step", "60"]
-    r = _launch(out, *args, "--min-step-s", "0.1")
+    r = launch(out, *args, "--min-step-s", "0.1")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     events = json.loads((out / "events.json").read_text())["events"]
     assert sum(e["kind"] == "kill" for e in events) >= 2 and any(e["why"] == "restart after a kill" for e in events)
     assert train_main([*NANO, *args, "--quiet", "--out", str(twin), "--failures", f"steps:{out / 'failed_steps.json'}"]) == 0
-    ft_rows, twin_rows = _rows(out / "metrics.jsonl"), _rows(twin / "metrics.jsonl")
+    ft_rows, twin_rows = metrics(out), metrics(twin)
     assert len(ft_rows) == len(twin_rows) == 151
     for a, b in zip(ft_rows[1:], twin_rows[1:]):
         assert a["failed"] == b["failed"] and a["loss"] == pytest.approx(b["loss"], rel=1e-5)

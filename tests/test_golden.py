@@ -24,6 +24,7 @@ from experiments.common import CONFIGS
 from mecefo import config as config_mod
 from mecefo.policies import trainer_policies
 from mecefo.train import run
+from tests.conftest import metrics
 
 GOLDEN = Path(__file__).parent / "golden" / "losses.json"
 TOLERANCE = GOLDEN.with_name("tolerance.json")
@@ -47,7 +48,7 @@ def losses(policy: str, folder: Path, threads: int = 1) -> list[float]:
         run(cfg, folder / policy, quiet=True)
     finally:
         torch.set_num_threads(before)
-    rows = [json.loads(line) for line in (folder / policy / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics(folder / policy)
     return [r["loss"] for r in rows[1:]] + [rows[-1]["val_loss"]]
 
 
@@ -134,7 +135,7 @@ def test_resume_under_failures_is_bit_identical(policy, tmp_path):
     b = torch.load(tmp_path / "parts" / "checkpoint.pt", weights_only=False)
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     strip = lambda rows: [{k: v for k, v in r.items() if k not in ("tokens_per_s", "wall_time_s")} for r in rows]  # noqa: E731
-    rows = [[json.loads(line) for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()] for d in ("whole", "parts")]
+    rows = [metrics(tmp_path / d) for d in ("whole", "parts")]
     assert strip(rows[0]) == strip(rows[1])
     for key in ("final_val_loss", "replayed_steps", "tokens_trained", "skipped_steps"):
         assert whole[key] == parts[key], key

@@ -2,9 +2,6 @@
 the trainer (in process and from the CLI), simulated by the simulator, selected by the sweep, and shown in
 the README's generated policy table - without a change to any other file."""
 
-import json
-import sys
-
 import pytest
 
 from experiments import sweep
@@ -13,6 +10,7 @@ from mecefo import policies
 from mecefo.failures import Event
 from mecefo.simulator import Job, simulate
 from mecefo.train import main, run
+from tests.conftest import metrics
 
 NAME = "neighbour-half"
 
@@ -21,9 +19,23 @@ NAME = "neighbour-half"
 def example(monkeypatch):
     monkeypatch.setenv("MECEFO_POLICY_MODULES", "tests.policy_example")
     yield policies.get(NAME)
-    policies._REGISTRY.pop(NAME, None)  # leave the registry as the other tests know it
-    policies._LOADED.discard("tests.policy_example")
-    sys.modules.pop("tests.policy_example", None)
+    policies.unregister("tests.policy_example")  # leave the registry as the other tests know it
+
+
+def test_a_policy_module_cannot_replace_a_built_in_policy(monkeypatch, tmp_path, capsys):
+    (tmp_path / "impostor.py").write_text(
+        "from mecefo.policies import register\nfrom mecefo.policies.drop import Drop\n\n"
+        "@register\nclass Impostor(Drop):\n    name = 'mecefo'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("MECEFO_POLICY_MODULES", "impostor")
+    try:
+        assert main(["--config", str(CONFIGS / "nano.toml"), "--steps", "2", "--out", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err
+        assert "policy 'mecefo' of impostor.Impostor would replace mecefo.policies.mecefo" in err and err.count("\n") == 1
+        monkeypatch.delenv("MECEFO_POLICY_MODULES")
+        assert policies.get("mecefo").__module__ == "mecefo.policies.mecefo"  # the built-in one is kept
+    finally:
+        policies.unregister("impostor")
 
 
 def test_the_registry_finds_the_policy_and_the_cli_accepts_it(example, tmp_path, capsys):
@@ -33,7 +45,7 @@ def test_the_registry_finds_the_policy_and_the_cli_accepts_it(example, tmp_path,
     args = ["--config", str(CONFIGS / "nano.toml"), "--steps", "6", "--ranks", "3", "--failures", str(trace),
             "--seconds_per_step", "1", "--policy", NAME, "--quiet", "--out", str(tmp_path / "o")]
     assert main(args) == 0
-    rows = [json.loads(line) for line in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()][1:]
+    rows = metrics(tmp_path / "o")[1:]
     assert [r["samples"] for r in rows] == [24, 24, 20, 20, 24, 24]  # 8 rows per rank; half of rank 1's covered
     assert [r["neighbours"] for r in rows][2] == {"1": 2}
     assert main(args[:-1] + [str(tmp_path / "p"), "--policy", "nope"]) == 2

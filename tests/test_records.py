@@ -3,28 +3,23 @@ mecefo.records (EVAL_ROW, STEP_ROW, SUMMARY) whether the run trained on the loca
 (unsharded or FSDP2) or on torchft under mecefo.launch; the backend's own entries sit under "backend"."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from experiments.common import CONFIGS, ROOT
 from mecefo.records import EVAL_ROW, STEP_ROW, SUMMARY
 from mecefo.train import main
+from tests.conftest import NANO, launch, metrics, torchrun
 
 pytestmark = pytest.mark.filterwarnings("ignore")
-ARGS = ["--config", str(CONFIGS / "nano.toml"), "--steps", "4", "--eval_every", "2", "--ranks", "2", "--quiet"]
-ENV = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", "OMP_NUM_THREADS": "1"}
+ARGS = [*NANO, "--steps", "4", "--eval_every", "2", "--ranks", "2", "--quiet"]
 
 
-def _module(*args):
-    proc = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300)
+def _ok(proc):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
 def _check(out, backend: str) -> None:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics(out)
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4], backend
     assert set(rows[0]) == set(EVAL_ROW), backend
     for r in rows[1:]:
@@ -40,13 +35,18 @@ def _check(out, backend: str) -> None:
 def test_every_backend_writes_the_same_record_schema(tmp_path):
     assert main([*ARGS, "--out", str(tmp_path / "local")]) == 0
     _check(tmp_path / "local", "local")
-    torchrun = ["torch.distributed.run", "--standalone", "--nproc_per_node", "2", "mecefo.train", *ARGS, "--backend", "torch"]
-    torchrun.insert(4, "-m")
-    _module(*torchrun, "--out", str(tmp_path / "torch"))
+    _ok(torchrun(2, [*ARGS, "--backend", "torch", "--out", str(tmp_path / "torch")]))
     _check(tmp_path / "torch", "torch")
-    _module(*torchrun, "--shard", "fsdp", "--out", str(tmp_path / "fsdp"))
+    _ok(torchrun(2, [*ARGS, "--backend", "torch", "--shard", "fsdp", "--out", str(tmp_path / "fsdp")]))
     _check(tmp_path / "fsdp", "torch")
-    _module("mecefo.launch", *ARGS, "--out", str(tmp_path / "torchft"))
+    _ok(launch(tmp_path / "torchft", *ARGS[2:]))
     _check(tmp_path / "torchft", "torchft")
-    ft = [json.loads(line) for line in (tmp_path / "torchft" / "metrics.jsonl").read_text().splitlines()]
-    assert {"rank", "time"} <= set(ft[1]["backend"])  # the replica that wrote the row, and its wall clock
+    assert {"rank", "time"} <= set(metrics(tmp_path / "torchft")[1]["backend"])  # the replica that wrote the row, and its wall clock
+
+
+def test_the_readme_backend_table_is_the_registrys():
+    from mecefo.cluster import backends_table
+    from tests.conftest import ROOT
+
+    readme = (ROOT / "README.md").read_text()
+    assert readme.split("<!-- backends:begin -->")[1].split("<!-- backends:end -->")[0].strip() == backends_table()

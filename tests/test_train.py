@@ -1,6 +1,7 @@
 import dataclasses
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ from mecefo import data as data_mod
 from mecefo.config import OptimConfig
 from mecefo.errors import UsageError
 from mecefo.train import lr_at, main, run
+from tests.conftest import metrics
 
 from .conftest import cuda, write_c4_shard
 
@@ -20,7 +22,7 @@ from .conftest import cuda, write_c4_shard
 def test_loss_falls_within_a_few_dozen_nano_steps(nano_cfg, tmp_path):
     cfg = config_mod.with_overrides(nano_cfg, train={"steps": 40, "eval_every": 40})
     summary = run(cfg, tmp_path / "run", quiet=True)
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics(tmp_path / "run")
     initial_val = rows[0]["val_loss"]
     assert abs(initial_val - math.log(512)) < 0.2
     assert summary["final_val_loss"] < initial_val - 0.8
@@ -100,6 +102,10 @@ def test_sgd_optimizer_trains(nano_cfg, tmp_path):
     (["--config", "experiments/configs/nano.toml", "--steps", "1000000000"], "train.steps=1000000000 must lie in"),
     (["--config", "experiments/configs/nano.toml", "--stop-after", "0"], "--stop-after 0 must be at least 1"),
     (["--config", "experiments/configs/nano.toml", "--stop_after", "0"], "--stop-after 0 must be at least 1"),
+    (["--config", "experiments/configs/nano.toml", "--ranks", "100000"], "a training step needs about 483.5 GiB"),
+    (["--config", "experiments/configs/nano.toml", "--micro_batch_size", "100000"], "100000 sequences of 64 tokens"),
+    (["--config", "experiments/configs/nano.toml", "--backend", "torchft"], "under python -m mecefo.launch"),
+    (["--config", "experiments/configs/nano.toml", "--backend", "mpi"], "allowed: 'local', 'torch', 'torchft'"),
 ])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(argv, message, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
@@ -136,7 +142,7 @@ def test_resume_drops_a_torn_last_metrics_line_with_a_note(nano_cfg, tmp_path, c
         f.write('{"step": 4, "loss": 5.1')  # what a SIGKILL mid-write leaves
     assert main(argv + ["--resume"]) == 0
     assert "dropping the torn last line" in capsys.readouterr().err
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == list(range(7))
 
 
@@ -237,3 +243,34 @@ def test_the_old_low_rank_key_is_refused_naming_r(tmp_path, capsys, how):
         args[1] = str(cfg)
     assert main(args) == 2
     assert "renamed: use" in capsys.readouterr().err and not (tmp_path / "o").exists()
+
+
+class _Payload:
+    """An object whose unpickling would run code."""
+
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+def test_a_checkpoint_is_read_as_data_never_as_code(nano_cfg, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "run"
+    argv = ["--config", str(CONFIGS / "nano.toml"), "--steps", "4", "--eval_every", "2", "--checkpoint_every", "2",
+            "--out", str(out), "--quiet"]
+    assert main(argv + ["--stop-after", "2"]) == 0
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=False)  # our own file: model, optimizer, RNG (numpy's too)
+    torch.save({**ckpt, "policy": _Payload()}, out / "checkpoint.pt")
+    assert main(argv + ["--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot be read as data" in err and err.count("\n") == 1 and not (tmp_path / "PWNED").exists()
+    torch.save(ckpt, out / "checkpoint.pt")  # the untampered checkpoint resumes
+    assert main(argv + ["--resume"]) == 0
+
+
+def test_precision_auto_is_hashed_as_what_it_does(nano_cfg, monkeypatch):
+    """auto is fp32 on a CPU and bf16 on CUDA: a CPU result must not be reused for a CUDA run."""
+    cpu = nano_cfg.hash()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert nano_cfg.hash() != cpu
+    assert nano_cfg.hash() == config_mod.with_overrides(nano_cfg, train={"precision": "bf16"}).hash()
+    assert config_mod.with_overrides(nano_cfg, train={"device": "cpu"}).hash() == cpu

@@ -49,12 +49,25 @@ def save(path: Path, step: int, config_hash: str, states: dict) -> None:
     os.replace(tmp, path)
 
 
+def _data_types() -> list:
+    """What a checkpoint may hold beyond tensors and Python's containers: numpy's RNG state (an array)."""
+    core = getattr(np, "_core", None) or np.core
+    return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def read(path: Path) -> dict:
+    """A checkpoint file's contents, read as data (weights_only: no pickled code runs), memory-mapped so that
+    reading its hash, or one component, does not read every tensor; a one-line UsageError if unreadable."""
+    try:
+        with torch.serialization.safe_globals(_data_types()):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:
+        raise UsageError(f"checkpoint {path} cannot be read as data ({type(e).__name__}); delete it to start over") from None
+
+
 def load(path: Path, config_hash: str) -> dict:
     """The checkpoint at path, refusing an unreadable one or another config's with a one-line UsageError."""
-    try:  # memory-mapped: reading the hash, or one component, does not read every tensor
-        ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    except Exception as e:
-        raise UsageError(f"checkpoint {path} cannot be read ({type(e).__name__}); delete it to start over") from None
+    ckpt = read(path)
     if ckpt.get("config_hash") != config_hash:
         raise UsageError(f"checkpoint {path} belongs to another config (hash {ckpt.get('config_hash')} != "
                          f"{config_hash}); choose another --out")

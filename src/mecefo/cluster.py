@@ -23,7 +23,7 @@ import torch
 from . import checkpoint, policies
 from .checkpoint import Component
 from .errors import UsageError
-from .model import ffn_linears, group_of
+from .model import group_of
 from .neighbour import LowRankWgrad, Neighbour, Techniques
 from .plan import NORMAL, Piece, StepPlan
 
@@ -117,6 +117,13 @@ BACKENDS = {s.name: s for s in (  # the only place backends are named
 )}
 
 
+def backends_table() -> str:
+    """The README's table of backends (a test keeps the README's copy equal to it)."""
+    rows = [f"| `{b.name}` | {b.summary} | `{b.started_by}` | {', '.join(f'`{k}`' for k in b.classes)} |"
+            for b in BACKENDS.values()]
+    return "\n".join(["| `--backend` | what it runs | started by | `--shard` |", "|---|---|---|---|", *rows])
+
+
 def backend_spec(name: str) -> BackendSpec:
     if name not in BACKENDS:
         raise UsageError(f"cluster.backend={name!r}; allowed: {', '.join(map(repr, BACKENDS))}")
@@ -156,7 +163,8 @@ class Backend:
       end_step(row)                after the row is recorded (None: not committed); torchft: status, pacing
     Around the steps:
       setup(cfg, device, ...)      (class) join the processes; returns (rank, device)
-      build_model, open_data, agree  (class) the model, the token data, one decision for every process
+      build_model, open_data, agree, rows_per_pass  (class) the model, the token data, one decision for
+                                   every process, the most sequences in one pass (memory check)
       connect(components, step)    join the peers before the first step (False: the run ended without us)
       io(plan), writes(plan)       whether this process takes part in an evaluation / checkpoint (a collective
                                    on the torch backends), and whether it evaluates and writes (plan None:
@@ -190,6 +198,11 @@ class Backend:
 
         torch.manual_seed(seed)
         return GPT(model_cfg).to(device)
+
+    @classmethod
+    def rows_per_pass(cls, cfg) -> int:
+        """The most sequences one forward pass of this process holds (for the memory check)."""
+        return cfg.data.micro_batch_size
 
     @classmethod
     def open_data(cls, cfg, main: bool):
@@ -362,6 +375,10 @@ class LocalCluster(Backend):
     """n ranks simulated in one process, into the same .grad. The pieces of all ranks that share a
     micro-batch index and a technique set run as one batch (the model's weights are the same on every
     rank), so a step costs about what it costs one rank with the whole global batch, whatever n."""
+
+    @classmethod
+    def rows_per_pass(cls, cfg) -> int:
+        return cfg.data.micro_batch_size * cfg.cluster.ranks
 
     def step(self, plan: StepPlan) -> StepResult:
         self.current_step = plan.step

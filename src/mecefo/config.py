@@ -69,6 +69,14 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16
 
+    def resolved_device(self) -> str:
+        """The device type the run will use: cuda for auto when a CUDA device is present."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
     def validate(self) -> None:
         if not 1 <= self.steps <= MAX_STEPS:
             raise UsageError(f"train.steps={self.steps} must lie in 1..{MAX_STEPS:,} (the failure schedule keeps a failed "
@@ -111,6 +119,8 @@ class Config:
         d = self.to_dict()
         for k in ("log_every", "device"):
             d["train"].pop(k)
+        if self.train.precision == "auto" and self.train.resolved_device() == "cuda":
+            d["train"]["precision"] = "bf16"  # what auto does there (on a CPU, auto is fp32 and hashed as "auto")
         for (section, key), default in HASH_NEUTRAL_DEFAULTS.items():
             if d[section][key] == default:
                 d[section].pop(key)

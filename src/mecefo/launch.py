@@ -322,6 +322,13 @@ def main(argv: list[str] | None = None) -> int:
                 down0 = frozenset()  # everyone starts from the checkpoint
             if len(down0) == cc.ranks:
                 raise UsageError("every rank is down at step 0 under this schedule; nothing can start")
+            from .data import TokenData  # the token cache, built once here rather than by every replica
+            from .model import preset
+            from .train import check_memory, resolve_device
+
+            device = resolve_device(cfg.train.device)
+            check_memory(cfg, preset(cfg.model.preset, vocab_size=TokenData(cfg.data).vocab_size), device,
+                         cfg.data.micro_batch_size, processes=cc.ranks if device.type == "cpu" else 1)
             # everything is checked: only now is the run folder written
             (out / "replicas").mkdir(parents=True, exist_ok=True)
             for p in (out / "replicas").glob("rank*.status"):

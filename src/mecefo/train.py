@@ -88,6 +88,28 @@ def apply_update(optimizer: torch.optim.Optimizer, lr: float) -> None:
     optimizer.step()
 
 
+def check_memory(cfg: Config, model_cfg, device: torch.device, rows_per_pass: int, processes: int | None = None) -> None:
+    """Refuse, before anything is allocated, a run whose step cannot fit: mecefo.costs.training_memory of one
+    pass of rows_per_pass sequences (the local backend runs every rank's micro-batch i in one pass) against
+    the device's memory (a CPU's shared by the processes started on it: torchrun's LOCAL_WORLD_SIZE unless
+    `processes` says)."""
+    from .costs import training_memory
+
+    cc, dc = cfg.cluster, cfg.data
+    need = training_memory(model_cfg, Shape(rows_per_pass, dc.seq_len), cc.ranks, cc.shard,
+                           Techniques.parse(cc.techniques), cc.r)["total"]
+    if device.type == "cuda":
+        have = torch.cuda.get_device_properties(device).total_memory
+    else:
+        processes = processes or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // processes
+    if need > have:
+        raise UsageError(f"a training step needs about {need / 2**30:.1f} GiB (mecefo.costs.training_memory: "
+                         f"{rows_per_pass} sequences of {dc.seq_len} tokens in one pass, {cc.ranks} ranks, "
+                         f"{model_cfg.dim}-wide model) but {device} has {have / 2**30:.1f} GiB; lower cluster.ranks "
+                         "or data.micro_batch_size (data.grad_accum keeps the batch)")
+
+
 EVAL_BATCH = 32
 
 
@@ -188,6 +210,7 @@ class Run:
         backend = backend_class(cc)
         self.data = backend.open_data(cfg, rank == 0)
         self.model_cfg = preset(cfg.model.preset, vocab_size=self.data.vocab_size)
+        check_memory(cfg, self.model_cfg, device, backend.rows_per_pass(cfg))
         self.model = backend.build_model(self.model_cfg, device, tc.seed)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.schedule = failures.for_run(cfg)

@@ -130,6 +130,10 @@ def register(cls: type[Policy]) -> type[Policy]:
     """Class decorator: make a policy known by its name."""
     if not cls.name:
         raise ValueError(f"{cls.__name__} has no name")
+    held = _REGISTRY.get(cls.name)
+    if held is not None and (held.__module__, held.__qualname__) != (cls.__module__, cls.__qualname__):
+        raise UsageError(f"policy {cls.name!r} of {cls.__module__}.{cls.__qualname__} would replace "
+                         f"{held.__module__}.{held.__qualname__}; give it another name")
     _REGISTRY[cls.name] = cls
     return cls
 
@@ -144,6 +148,17 @@ def _load() -> None:
             except ImportError as e:
                 raise UsageError(f"MECEFO_POLICY_MODULES: cannot import {module!r} ({e})") from None
             _LOADED.add(module)
+
+
+def unregister(module: str) -> None:
+    """Forget the policies a module (of MECEFO_POLICY_MODULES) registered, and the module, so that it is
+    imported again by the next look-up (a reloaded notebook's policy; the tests' example)."""
+    for name in [n for n, cls in _REGISTRY.items() if cls.__module__ == module]:
+        del _REGISTRY[name]
+    _LOADED.discard(module)
+    import sys
+
+    sys.modules.pop(module, None)
 
 
 def registry() -> dict[str, type[Policy]]:
