@@ -96,24 +96,25 @@ class ClusterConfig:
 @dataclass(frozen=True)
 class BackendSpec:
     """A registered backend: its name (cluster.backend), one line for --help, the command that starts its
-    processes, its classes by shard mode ("module:Class", imported when used), and whether a policy may send
-    its runs back to an earlier step (checkpoint-restart's rollback)."""
+    processes and the entry point they run, its classes by shard mode ("module:Class", imported when used),
+    and whether a policy may send its runs back to an earlier step (checkpoint-restart's rollback)."""
 
     name: str
     summary: str
     started_by: str
+    entry: str  # the module whose main() starts a run: mecefo.train, or mecefo.launch for torchft
     classes: dict
     rollbacks: bool = True
 
 
 BACKENDS = {s.name: s for s in (  # the only place backends are named
     BackendSpec("local", "n ranks simulated in one process (pieces batched across ranks)", "python -m mecefo.train",
-                {"none": "mecefo.cluster:LocalCluster"}),
+                "mecefo.train", {"none": "mecefo.cluster:LocalCluster"}),
     BackendSpec("torch", "one process per rank under torchrun (gloo on CPU, nccl on CUDA); --shard fsdp: FSDP2",
-                "torchrun --nproc_per_node N -m mecefo.train", {"none": "mecefo.cluster:TorchCluster",
-                                                                "fsdp": "mecefo.cluster:ShardedCluster"}),
+                "torchrun --nproc_per_node N -m mecefo.train", "mecefo.train",
+                {"none": "mecefo.cluster:TorchCluster", "fsdp": "mecefo.cluster:ShardedCluster"}),
     BackendSpec("torchft", "one process per rank under torchft's Manager: real process deaths, healing from a peer",
-                "python -m mecefo.launch", {"none": "mecefo.ft:FtCluster"}, rollbacks=False),
+                "python -m mecefo.launch", "mecefo.launch", {"none": "mecefo.ft:FtCluster"}, rollbacks=False),
 )}
 
 
@@ -149,26 +150,32 @@ class Backend:
     """The data-parallel ranks a run trains on. mecefo.train.Run drives every backend with one loop; this
     class is the contract (with the simulated backends' answers as defaults) and the computation they share.
 
-    Each step, in the loop's order (every process calls every hook):
+    Each step, in the loop's order (every process of the run calls these, so that collectives match):
       begin(step) -> step          the step to run: `step`; torchft: its quorum's step (a healed replica
                                    jumps to its peers' step)
       failed(step, schedule)       the ranks down at the step: the schedule's; torchft: those missing from the
-                                   quorum (None: a peer died during the exchange, the step will not commit)
+                                   quorum (None: a peer died during the exchange; the loop then calls only
+                                   commits(None), which is False, and redoes the step)
       transition(plan, optimizer)  state lost by ranks that fail, given back to ranks that recover
       prepare(plan)                low-rank subspaces refreshed where the plan uses them
       step(plan) -> StepResult     this process's pieces; .grad then holds the aggregated gradient
-      abort()                      the step stops here (a non-finite loss): no peer commits it
-      commits(plan) -> bool        whether the step counts: always; torchft: its should_commit (a peer died)
+      abort() -> bool              on a non-finite loss or gradient norm only: no peer commits the step; True
+                                   if it was void anyway (torchft: a peer died, the numbers are not the step's;
+                                   it is redone), False if training stops (exit 3)
+      commits(plan | None) -> bool whether the step counts: always; torchft: its should_commit
       updates(plan) -> bool        whether this process applies the optimizer update
-      end_step(row)                after the row is recorded (None: not committed); torchft: status, pacing
+      end_step(row)                after the row is recorded (None: not committed); torchft: its status file
     Around the steps:
-      setup(cfg, device, ...)      (class) join the processes; returns (rank, device)
+      setup(cfg, device, ...)      (class) join the processes; returns (rank, device) (torchft: the launcher
+                                   has set up, the replica is given its rank)
       build_model, open_data, agree, rows_per_pass  (class) the model, the token data, one decision for
                                    every process, the most sequences in one pass (memory check)
-      connect(components, step)    join the peers before the first step (False: the run ended without us)
-      io(plan), writes(plan)       whether this process takes part in an evaluation / checkpoint (a collective
-                                   on the torch backends), and whether it evaluates and writes (plan None:
-                                   outside a step); sync_for_io(optimizer) gives the writer current state
+      connect(components, step)    join the peers before the first step; returns the step joined at (torchft:
+                                   a restarted replica's peers' step, once healed), None if the run ended first
+      io(plan), writes(plan), evaluates(plan)  whether this process takes part in an evaluation / checkpoint
+                                   (a collective on the torch backends), whether it writes the files, and
+                                   whether it runs the evaluation (FSDP: every rank) (plan None: outside a
+                                   step); sync_for_io(optimizer) gives the writer current state
       components, parameters_finite, restore_checkpoint, agreement, extras, summary_extras
       metrics_path(out), summary_path(out)  where this process writes its rows and summary (None: nowhere)
       owns_out()                   this process writes OUT/config.json and truncates metrics on a resume
@@ -215,8 +222,8 @@ class Backend:
         """decide() (rank 0 reads the output folder); its outcome for every process."""
         return decide()
 
-    def connect(self, components: dict, step: int) -> bool:
-        return True
+    def connect(self, components: dict, step: int) -> int | None:
+        return step
 
     def close(self) -> None:
         pass
@@ -228,10 +235,10 @@ class Backend:
     def failed(self, step: int, schedule) -> frozenset[int] | None:
         return schedule.failed[step]
 
-    def abort(self) -> None:
-        pass
+    def abort(self) -> bool:
+        return False
 
-    def commits(self, plan: StepPlan) -> bool:
+    def commits(self, plan: StepPlan | None) -> bool:
         return True
 
     def end_step(self, row: dict | None) -> None:
@@ -360,6 +367,20 @@ class Backend:
     def agreement(self) -> dict:
         """Whether the ranks hold the same state (one process: trivially)."""
         return {"ranks_checked": [0], "identical": True}
+
+    def digest(self, with_parameters: bool = True) -> list[float]:
+        """Checksums of this process's low-rank subspaces (by module name) and, if asked, of its parameters,
+        each weighted by position (equal digests: the same state, to float64 summation)."""
+        def checksum(t: torch.Tensor) -> float:
+            t = _local(t).detach().double().flatten()
+            return float(t.abs().sum()) + float((t * torch.arange(t.numel(), device=t.device, dtype=torch.float64)).sum())
+
+        names = {m: n for n, m in self.model.named_modules()}
+        bases = sorted((names[m], v) for m, (v, _) in self.lowrank._basis.items())
+        sums = [checksum(v) for _, v in bases]
+        if with_parameters:
+            sums += [checksum(p) for p in self.model.parameters()]
+        return [len(bases)] + sums
 
     def normalise(self, counts: dict[str, float]) -> None:
         """.grad holds the weighted sums; divide each group by its weight (no gradient where it is 0)."""
@@ -526,20 +547,10 @@ class TorchCluster(Backend):
     def step(self, plan: StepPlan) -> StepResult:
         return self.exchange_step(plan, self.rank, self.dist.all_reduce)
 
-    def _digest(self, with_parameters: bool) -> list[float]:
-        """Checksums of this rank's low-rank subspaces (by name) and, if asked, its parameters."""
-        names = {m: n for n, m in self.model.named_modules()}
-        bases = sorted((names[m], v) for m, (v, _) in self.lowrank._basis.items())
-        sums = [float(v.double().abs().sum()) + float((v.double() * torch.arange(v.numel(), device=v.device).view_as(v)).sum())
-                for _, v in bases]
-        if with_parameters:
-            sums += [float(p.detach().double().sum()) for p in self.model.parameters()]
-        return [len(bases)] + sums
-
     def agreement(self) -> dict:
         """Every rank whose state is current holds the same parameters and the same V1 (all ranks call)."""
         digests = [None] * self.n_ranks
-        self.dist.all_gather_object(digests, self._digest(with_parameters=True))
+        self.dist.all_gather_object(digests, self.digest(with_parameters=True))
         checked = sorted(self.valid)
         return {"ranks_checked": checked, "identical": all(digests[r] == digests[checked[0]] for r in checked)}
 
@@ -648,7 +659,7 @@ class ShardedCluster(TorchCluster):
     def agreement(self) -> dict:
         """Every rank holds the same V1 (the parameters are shards: each rank's are its own)."""
         digests = [None] * self.n_ranks
-        self.dist.all_gather_object(digests, self._digest(with_parameters=False))
+        self.dist.all_gather_object(digests, self.digest(with_parameters=False))
         return {"ranks_checked": list(range(self.n_ranks)), "identical": all(d == digests[0] for d in digests)}
 
 

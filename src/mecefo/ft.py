@@ -48,13 +48,6 @@ HOST_ENV = "MECEFO_FT_HOST"  # this replica's store address (default localhost; 
 TIMEOUT_S = 30.0  # torchft's collective / quorum timeouts on localhost
 
 
-def parameter_digest(model: torch.nn.Module) -> list[float]:
-    """A checksum per parameter tensor (equal digests: identical parameters, to float64 summation)."""
-    return [float(p.detach().double().sum()) + float((p.detach().double().flatten() *
-                                                       torch.arange(p.numel(), dtype=torch.float64)).sum())
-            for p in model.parameters()]
-
-
 @dataclass
 class FtCluster(Backend):
     """This replica of a torchft run: computes its pieces, all-reduces through torchft's Manager (which
@@ -77,7 +70,7 @@ class FtCluster(Backend):
         atomic_write_text(self.replicas / f"rank{self.rank}.status", f"{what} {time.time():.3f}\n")
 
     # ------------------------------------------------------------------ peers
-    def connect(self, components: dict, step: int) -> bool:
+    def connect(self, components: dict, step: int) -> int | None:
         """torchft's Manager on this replica's own store (a bare process must host one; torchrun would), at
         `step`, then wait for the peers."""
         from torch.distributed import TCPStore
@@ -94,9 +87,9 @@ class FtCluster(Backend):
                                init_sync=False)
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
         if self.wait():
-            return True
+            return self.manager.current_step()  # a restarted replica: its peers' step, once it has healed
         print(f"rank {self.rank}: the run finished before this replica could rejoin", flush=True)
-        return False
+        return None
 
     def state(self) -> dict:
         """What a live peer sends a replica that heals (everything but the RNG states)."""
@@ -175,9 +168,14 @@ class FtCluster(Backend):
 
         return self.exchange_step(plan, self.rank, lambda t: self.manager.allreduce(t, reduce_op=ReduceOp.SUM).wait())
 
-    def abort(self) -> None:
-        self.manager.report_error(RuntimeError("non-finite loss"))
+    def abort(self) -> bool:
+        """A non-finite loss: void if a peer died during the exchange (its partial sums are not the step's;
+        redone), else reported so that no peer commits it, and training stops."""
+        void = self.manager.errored() is not None
+        if not void:
+            self.manager.report_error(RuntimeError("non-finite loss"))
         self.manager.should_commit()
+        return void
 
     def commits(self, plan: StepPlan | None) -> bool:
         """torchft's should_commit: every participant finished the step (else nothing is applied, and the
@@ -198,7 +196,8 @@ class FtCluster(Backend):
         """The lowest live rank evaluates and checkpoints at a step; outside a step every replica evaluates."""
         return plan is None or self.rank == min(set(range(self.n_ranks)) - plan.failed)
 
-    io = writes
+    def io(self, plan: StepPlan | None) -> bool:
+        return self.writes(plan)  # nothing collective: only the writer takes part
 
     def metrics_path(self, out):
         return self.replicas / f"rank{self.rank}.jsonl"
@@ -209,8 +208,12 @@ class FtCluster(Backend):
     def extras(self) -> dict:
         return {"rank": self.rank, "time": time.time()}
 
+    def agreement(self) -> dict:
+        """This replica alone (the launcher compares the replicas' digests, in summary_extras)."""
+        return {"ranks_checked": [self.rank], "identical": True}
+
     def summary_extras(self) -> dict:
-        return {"rank": self.rank, "digest": parameter_digest(self.model)}
+        return {"rank": self.rank, "digest": self.digest(with_parameters=True)}
 
 
 def replica(cfg, out: Path, rank: int, lighthouse: str, min_step_s: float, wait_for: int, rejoin: bool) -> None:

@@ -14,11 +14,13 @@ after the transfer). A restarted process heals from a live peer and rejoins. Eve
 killed on exit, Ctrl-C included. If every replica is dead at once, the run stops (exit 3) with the last
 checkpoint intact; `--resume` continues from it.
 
-Outputs in DIR: metrics.jsonl (one row per committed step: loss, lr, gradient norm, the failed set, who
-covered whom, samples, wall time), events.json (kills, restarts and exits, when each rank healed, and the
-recovery timings), failed_steps.json (the
-failed set of every step, for the simulated twin: `python -m mecefo.train ... --failures steps:DIR/failed_steps.json`),
-summary.json, and replicas/ (each replica's rows, status and log).
+Outputs in DIR, merged from the replicas' files in the trainer's record schema (mecefo.records):
+metrics.jsonl (the step-0 evaluation, then one row per committed step: loss, lr, gradient norm, the ranks
+down, who covered whom, samples; the replica and its wall clock under "backend"), summary.json (the kills
+and recovery timings under "backend"), events.json (kills, restarts and exits, when each rank healed, and
+the recovery timings), failed_steps.json (the ranks down at every step, for the simulated twin:
+`python -m mecefo.train ... --failures steps:DIR/failed_steps.json`), and replicas/ (each replica's rows,
+heals, summary, status and log). OUT/run.lock holds the launcher's pid while it runs.
 """
 
 from __future__ import annotations
@@ -250,7 +252,7 @@ def merge(out: Path, cfg, supervisor: Supervisor) -> dict:
     identical = all(f["backend"]["digest"] == finals[0]["backend"]["digest"] for f in finals)
     ordered = [rows[s] for s in range(0 if 0 in rows else 1, steps + 1)]
     atomic_write_text(out / "metrics.jsonl", "".join(json.dumps(row) + "\n" for row in ordered))
-    failed = [rows[s]["failed"] for s in range(1, steps + 1)]
+    failed = [rows[s]["down"] for s in range(1, steps + 1)]  # as it happened (the policy's "failed" may differ)
     atomic_write_json(out / "failed_steps.json", {"n_ranks": n, "failed": failed})
     timings = recovery_times(supervisor.events, rows, healed)
     atomic_write_json(out / "events.json", {"events": supervisor.events, "healed": healed, "timings": timings})
@@ -296,14 +298,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quiet", action="store_true")
 
     def launch() -> int:
-        supervisor = lighthouse = None
+        supervisor = lighthouse = locked = None
         try:
-            from .train import parse_args as train_args
+            from .train import parse_args as train_args, release_lock, take_lock
 
             args, rest = parser.parse_known_args(argv)
             trainer_flags, overrides = train_args(rest)
             if trainer_flags.stop_after is not None:
                 raise UsageError("mecefo.launch has no --stop_after: interrupt it (Ctrl-C) and continue with --resume")
+            if overrides.get("backend", "torchft") != "torchft":
+                raise UsageError(f"mecefo.launch runs the torchft backend; --backend {overrides['backend']} starts "
+                                 "with python -m mecefo.train (see README)")
             cfg = config_mod.load(args.config, {**overrides, "backend": "torchft"})
             out = Path(args.out)
             if (out / "replicas").exists() and not args.resume:
@@ -313,6 +318,13 @@ def main(argv: list[str] | None = None) -> int:
             if not (math.isfinite(args.min_step_s) and args.min_step_s >= 0):
                 raise UsageError(f"--min_step_s {args.min_step_s} must be a finite, non-negative number of seconds")
             cc = cfg.cluster
+            from .data import TokenData  # the token cache, built once here rather than by every replica
+            from .model import preset
+            from .train import check_memory, resolve_device
+
+            device = resolve_device(cfg.train.device)
+            check_memory(cfg, preset(cfg.model.preset, vocab_size=TokenData(cfg.data).vocab_size), device,
+                         cfg.data.micro_batch_size, processes=cc.ranks if device.type == "cpu" else 1)
             schedule = failures.for_run(cfg)
             kills, down0 = kill_plan(schedule, args.kill, cc.ranks)
             start_step = 0
@@ -322,14 +334,8 @@ def main(argv: list[str] | None = None) -> int:
                 down0 = frozenset()  # everyone starts from the checkpoint
             if len(down0) == cc.ranks:
                 raise UsageError("every rank is down at step 0 under this schedule; nothing can start")
-            from .data import TokenData  # the token cache, built once here rather than by every replica
-            from .model import preset
-            from .train import check_memory, resolve_device
-
-            device = resolve_device(cfg.train.device)
-            check_memory(cfg, preset(cfg.model.preset, vocab_size=TokenData(cfg.data).vocab_size), device,
-                         cfg.data.micro_batch_size, processes=cc.ranks if device.type == "cpu" else 1)
             # everything is checked: only now is the run folder written
+            locked = take_lock(out)
             (out / "replicas").mkdir(parents=True, exist_ok=True)
             for p in (out / "replicas").glob("rank*.status"):
                 p.unlink()
@@ -355,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
                 supervisor.stop()
             if lighthouse is not None:
                 lighthouse.shutdown()
+            if locked is not None:
+                release_lock(out)
         return 0
 
     return guarded(launch, "interrupted: every replica process was killed")

@@ -40,7 +40,7 @@ SUMMARY = {
     "skipped_steps": "steps with every rank down", "skipped_fraction": "skipped_steps / steps",
     "rank_agreement": "ranks compared at the end and whether they hold the same state",
     "failure_schedule": "fraction of rank-steps failed and failure events (torchft: as they happened)",
-    "wall_time_s": "seconds of training", "device": "torch device", "git_commit": "the code's commit",
+    "wall_time_s": "seconds of training (torchft: of the launch, the replicas' start-up included)", "device": "torch device", "git_commit": "the code's commit",
     "packages": "package versions", "backend": "name, and backend-specific entries (torchft: kills, timings)"}
 
 

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from . import checkpoint, failures, policies
 from . import config as config_mod
-from .cluster import backend_class, backend_spec
+from .cluster import BACKENDS, backend_class, backend_spec
 from .config import Config
 from .costs import Shape, analytic_flops
 from .data import TokenData
@@ -150,6 +150,37 @@ def _lock_holder(out: Path) -> int | None:
     return pid
 
 
+def take_lock(out: Path) -> Path:
+    """Create OUT/run.lock holding this pid atomically (O_EXCL): a second run on a live run's --out is refused;
+    a stale lock (its process gone, e.g. after a SIGKILL) is taken over."""
+    lock = out / LOCK
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    for _ in range(3):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            holder = _lock_holder(out)
+            if holder is not None:
+                raise UsageError(f"--out {out} is in use by a live run (pid {holder}, {lock}); wait for it to end or "
+                                 "choose another --out") from None
+            lock.unlink(missing_ok=True)  # stale, or ours from an earlier run in this process
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{os.getpid()}\n")
+        return lock
+    raise UsageError(f"--out {out}: {lock} keeps being taken by another process")
+
+
+def release_lock(out: Path) -> None:
+    """Remove OUT/run.lock if this process holds it."""
+    lock = out / LOCK
+    try:
+        if int(lock.read_text().split()[0]) == os.getpid():
+            lock.unlink()
+    except (OSError, ValueError, IndexError):
+        pass
+
+
 def _prepare_out(out: Path, cfg: Config, resume: bool) -> dict:
     """Decide what to do with an existing DIR: reuse a finished run ({"finished": summary}), resume from its
     checkpoint ({"resume": True}), start afresh, or refuse to overwrite (UsageError)."""
@@ -240,13 +271,14 @@ class Run:
         if owner:
             self.out.mkdir(parents=True, exist_ok=True)
             atomic_write_json(self.out / "config.json", {"config_hash": self.cfg.hash(), "config": self.cfg.to_dict()})
-        if not self.cluster.connect(self.components, start):
+        joined = self.cluster.connect(self.components, start)
+        if joined is None:
             return None
         self.metrics = open(metrics_path, "a") if metrics_path else None
         _log(_schedule_line(self.cfg, self.schedule), self.quiet)
-        if start == 0:
+        if joined == 0:  # (a torchft replica that healed joined its peers' later step: no step-0 row)
             self.record({"step": 0, "val_loss": self.evaluate("val"), "tokens_seen": 0})
-        return start
+        return joined
 
     def record(self, row: dict) -> None:
         if self.metrics:
@@ -297,7 +329,9 @@ class Run:
         if not plan.skipped:
             loss, grad_norm = result.loss, clip_gradients(self.model, self.cfg.optim.grad_clip)
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-                self.cluster.abort()
+                if self.cluster.abort():  # torchft: a peer died during the step, which is redone
+                    self.model.zero_grad(set_to_none=True)
+                    return None, plan
                 raise TrainingStopped(f"step {step + 1}: non-finite training loss {loss} or gradient norm {grad_norm} "
                                       f"(lr {lr:.3g}); nothing written for this step, the last checkpoint in "
                                       f"{self.out} is kept")
@@ -328,7 +362,7 @@ class Run:
         tc = self.cfg.train
         bar = tqdm(total=tc.steps, initial=start, desc=f"train {self.cfg.model.preset}", dynamic_ncols=True,
                    disable=self.quiet or not sys.stderr.isatty())
-        t0, wall0, step, was_skipped = time.perf_counter(), self.progress.wall_time_s, start, False
+        t_last, step, was_skipped = time.perf_counter(), start, False
         while True:
             step = self.cluster.begin(step)
             if step >= end:
@@ -344,7 +378,9 @@ class Run:
                 continue
             step += 1
             self.policy.after_step(step, self.model, self.optimizer)
-            self.progress.wall_time_s = row["wall_time_s"] = wall0 + time.perf_counter() - t0
+            now = time.perf_counter()  # added to the counter (which a torchft heal replaces with its peer's)
+            self.progress.wall_time_s += now - t_last
+            row["wall_time_s"], t_last = self.progress.wall_time_s, now
             if step % tc.eval_every == 0 or step == tc.steps:
                 val_loss = self.evaluate("val", plan)
                 if val_loss is not None:
@@ -403,7 +439,7 @@ def run(cfg: Config, out: Path, resume: bool = False, stop_after: int | None = N
     """Train cfg for cfg.train.steps steps (or until stop_after, leaving a checkpoint) and return the summary.
     Under the torch backend every process calls run(); rank 0 alone writes files and prints."""
     spec = backend_spec(cfg.cluster.backend)
-    if "mecefo.train" not in spec.started_by:
+    if spec.entry != "mecefo.train":
         raise UsageError(f"cluster.backend={spec.name!r} starts its processes under {spec.started_by} "
                          "(see README, Real failures)")
     if stop_after is not None and stop_after < 1:
@@ -415,10 +451,8 @@ def run(cfg: Config, out: Path, resume: bool = False, stop_after: int | None = N
     if decision["finished"] is not None:
         return decision["finished"]
     training = Run(cfg, out, device, rank, quiet or not main)
-    lock = Path(out) / LOCK
     if main:  # held while this process trains into out; a second run on the same out is refused meanwhile
-        lock.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(lock, f"{os.getpid()}\n")
+        take_lock(Path(out))
     try:
         start = training.start(decision["resume"])
         end = min(cfg.train.steps, stop_after) if stop_after is not None else cfg.train.steps
@@ -426,8 +460,8 @@ def run(cfg: Config, out: Path, resume: bool = False, stop_after: int | None = N
         return training.summary() if end == cfg.train.steps else {"stopped_at": end}
     finally:
         training.cluster.close()
-        if main and _lock_holder(Path(out)) is None and lock.exists():
-            lock.unlink()
+        if main:
+            release_lock(Path(out))
 
 
 def _failure_free_gradient(cluster, plan, cfg: Config) -> list[torch.Tensor]:
@@ -502,7 +536,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
     parser = argparse.ArgumentParser(prog="python -m mecefo.train", description=__doc__.splitlines()[0], allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=config_mod.fields_help() + "\n\npolicies (--policy):\n" + "\n".join(
-                                         f"  {n}: {c.summary}" for n, c in policies.registry().items() if c.trains))
+                                         f"  {n}: {c.summary}" for n, c in policies.registry().items() if c.trains)
+                                     + "\n\nbackends (--backend):\n" + "\n".join(
+                                         f"  {b.name}: {b.summary} (started by {b.started_by})" for b in BACKENDS.values()))
     parser.add_argument("--config", help="TOML file (experiments/configs/*.toml); defaults apply without one")
     parser.add_argument("--out", help="output folder (default results/runs/<preset>-<config hash>)")
     parser.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt (must exist)")
