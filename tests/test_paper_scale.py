@@ -260,3 +260,81 @@ def test_gpu_check_on_cuda(tmp_path, monkeypatch):
 
     monkeypatch.setattr(gpu_check, "RESULTS", tmp_path)
     assert gpu_check.main([]) == 0
+
+
+# ------------------------------------------------------------------------ the --full commands, scaled down
+SMALL = {"preset": "nano", "vocab_size": "300", "seq_len": "32", "micro_batch_size": "2", "grad_accum": "1",
+         "steps": "6", "warmup_steps": "1", "eval_every": "3", "checkpoint_every": "3", "ranks": "4",
+         "seconds_per_step": "3600", "device": "cpu"}  # every other flag as written; failures every few steps
+C4_SMALL = ["--c4_train_tokens", "6000", "--c4_val_tokens", "1200", "--c4_tokenizer_docs", "100", "--val_windows", "8"]
+
+
+def _scaled(line: str, shards, out, port: int) -> list[list[str]]:
+    """A --full torchrun line with its model, steps and shards scaled down, every flag kept: the argv of
+    its two nodes, both on this machine (NODE_RANK 0 and 1, MASTER_ADDR 127.0.0.1)."""
+    words = line.split()
+    assert words[:2] == ["torchrun", "--nnodes"]
+    for i, w in enumerate(words):
+        if w.startswith("--") and w[2:] in SMALL:
+            words[i + 1] = SMALL[w[2:]]
+    words[words.index("--nnodes") + 1], words[words.index("--nproc_per_node") + 1] = "2", "2"
+    words[words.index("--out") + 1] = str(out)
+    nodes = []
+    for rank in (0, 1):
+        argv = [{"$NODE_RANK": str(rank), "$MASTER_ADDR": "127.0.0.1", "$C4_DIR": str(shards)}.get(w, w) for w in words]
+        at = argv.index("-m")
+        nodes.append(["torch.distributed.run", *argv[1:at], "--master_port", str(port), *argv[at:], *C4_SMALL, "--quiet"])
+    return nodes
+
+
+def _two_nodes(nodes, extra=()):
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, subprocess_env
+
+    procs = [subprocess.Popen([sys.executable, "-m", *argv, *extra], cwd=ROOT, env=subprocess_env(), text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for argv in nodes]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["llama-350m", "llama-7b"])  # replicated, and sharded with FSDP2
+def test_the_full_commands_run_scaled_down_on_two_nodes_with_failures_and_a_resume(preset, tmp_path, monkeypatch):
+    """What `experiments.sweep --full` writes for a cluster, every flag kept (torchrun over 2 nodes, C4 from
+    --data_dir, failures at high, checkpoints, --shard where written), with the model, steps and shards
+    scaled down: two launches rendezvous on 127.0.0.1, are interrupted after step 3 and resumed, and end with
+    the parameters of the local backend on the same config."""
+    import socket
+
+    from experiments.sweep import full_commands
+    from tests.conftest import write_c4_shard
+
+    monkeypatch.setenv("MECEFO_CACHE", str(tmp_path / "cache"))
+    shards = tmp_path / "c4"
+    shards.mkdir()
+    write_c4_shard(shards, "train", 300, 0)
+    write_c4_shard(shards, "validation", 40, 1)
+    script, _ = full_commands()
+    line = next(ln for ln in script.splitlines() if f"--preset {preset} " in ln and "--failures high" in ln)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nodes = _scaled(line, shards, tmp_path / "cluster", port)
+    _two_nodes(nodes, ["--stop_after", "3"])
+    assert not (tmp_path / "cluster" / "summary.json").exists()
+    _two_nodes(nodes, ["--resume"])
+    summary = json.loads((tmp_path / "cluster" / "summary.json").read_text())
+    assert summary["splits"] == ["train", "val"] and summary["rank_agreement"]["identical"]
+    assert summary["config"]["cluster"]["shard"] == ("fsdp" if preset == "llama-7b" else "none")
+    rows = metrics(tmp_path / "cluster")
+    assert [r["step"] for r in rows] == list(range(7)) and any(r["failed"] for r in rows[1:])  # failures ran
+    local = nodes[0][nodes[0].index("mecefo.train") + 1:]  # the trainer's flags, on the local backend
+    argv = local[:local.index("--backend")] + local[local.index("--backend") + 2:]
+    if "--shard" in argv:
+        argv = argv[:argv.index("--shard")] + argv[argv.index("--shard") + 2:]
+    assert main(argv[:argv.index("--out")] + argv[argv.index("--out") + 2:] + ["--out", str(tmp_path / "local")]) == 0
+    a, b = model_params(tmp_path / "local"), model_params(tmp_path / "cluster")
+    for name in a:
+        assert torch.allclose(a[name], b[name], atol=1e-5, rtol=1e-4), name
