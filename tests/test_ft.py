@@ -10,7 +10,7 @@ from mecefo.errors import UsageError
 from mecefo.failures import read_failed_steps, resolve
 from mecefo.launch import kill_plan
 from mecefo.train import main as train_main
-from tests.conftest import NANO, launch, metrics
+from tests.conftest import NANO, ROOT, launch, metrics
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -167,3 +167,64 @@ def test_a_second_launch_on_the_out_of_a_live_one_is_refused(tmp_path, capsys):
     finally:
         live.kill()
         live.wait()
+
+
+def _replica_pids(out) -> list[int]:
+    import subprocess
+
+    found = subprocess.run(["pgrep", "-f", f"mecefo.ft --out {out} "], capture_output=True, text=True).stdout
+    return [int(p) for p in found.split()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGHUP", "two Ctrl-C"])
+def test_the_launcher_leaves_no_replica_behind_however_it_is_stopped(tmp_path, how):
+    """The replicas run in their own session (a terminal's Ctrl-C does not reach them): the launcher kills them
+    on SIGHUP and SIGTERM as on Ctrl-C, a second Ctrl-C cannot cut that short, and when the launcher itself is
+    SIGKILLed the kernel kills them (PR_SET_PDEATHSIG)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import subprocess_env
+
+    out = tmp_path / "ft"
+    proc = subprocess.Popen([sys.executable, "-m", "mecefo.launch", *NANO, "--out", str(out), "--ranks", "2", "--steps",
+                             "5000", "--min_step_s", "0.05", "--quiet"], env=subprocess_env(), cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 90
+    while not all((out / "replicas" / f"rank{r}.status").exists() and
+                  (out / "replicas" / f"rank{r}.status").read_text().startswith("step") for r in (0, 1)):
+        assert time.time() < deadline and proc.poll() is None, "the replicas never started training"
+        time.sleep(0.2)
+    assert len(_replica_pids(out)) == 2
+    if how == "SIGKILL":
+        proc.kill()
+    elif how == "SIGHUP":
+        proc.send_signal(signal.SIGHUP)
+    else:
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=60)
+    if how != "SIGKILL":
+        assert proc.returncode == 130 and "every replica process was killed" in proc.stderr.read()
+    deadline = time.time() + 20
+    while _replica_pids(out) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not _replica_pids(out)
+
+
+@pytest.mark.slow
+def test_a_replica_that_crashes_stops_the_launch_naming_it(tmp_path):
+    """A replica dying of anything but our SIGKILL (here: an exception while it starts) ends the launch at once
+    with exit 3 and the replica's last line, instead of leaving the others waiting for it."""
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "crash_in_replicas.py").write_text(
+        "import sys\nif sys.argv[0].endswith('ft.py'):\n    raise RuntimeError('boom in a replica')\n")
+    r = launch(tmp_path / "ft", "--ranks", "2", "--steps", "20", env={
+        "MECEFO_POLICY_MODULES": "crash_in_replicas",
+        "PYTHONPATH": f"{tmp_path / 'mods'}:{ROOT / 'src'}:{ROOT}"}, timeout=120)
+    assert r.returncode == 3, r.stderr[-2000:]
+    assert "died (exit status 1): RuntimeError: boom in a replica" in r.stderr

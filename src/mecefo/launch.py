@@ -85,7 +85,7 @@ class Supervisor:
         self.procs[rank] = subprocess.Popen(
             [sys.executable, "-m", "mecefo.ft", "--out", str(self.out), "--replica", str(rank),
              "--lighthouse", self.lighthouse, "--min-step-s", str(self.min_step_s)] + extra,
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=_die_with_parent)
         log.close()  # the child holds its own descriptor
         self.log(f"started rank {rank} (pid {self.procs[rank].pid}, {why})", kind="start", rank=rank, why=why,
                  step=self.committed())
@@ -144,10 +144,9 @@ class Supervisor:
                 code = proc.poll()
                 if code is not None:
                     del self.procs[r]
-                    if code != 0:
+                    if code != 0:  # not one of ours (ours are removed from procs before the SIGKILL)
                         self.log(f"rank {r} exited with status {code}", kind="exit", rank=r, code=code)
-                    if code in (BAD_INPUT, CANNOT_GO_ON):  # bad input (e.g. another config's checkpoint), or
-                        self.stop_with(r, code)            # a non-finite loss: every replica would stop the same way
+                        self.stop_with(r, code)  # bad input, a non-finite loss, a crash: the others would follow
             self.rejoining = {r for r in self.rejoining if r in self.procs and not self.training(r)}
             if not set(self.procs) - self.rejoining:  # nobody left who trains (a restarted one cannot heal)
                 if self.committed() >= steps:
@@ -159,17 +158,34 @@ class Supervisor:
             time.sleep(POLL_S)
 
     def stop_with(self, rank: int, code: int) -> None:
-        """Stop the run with the one line the replica stopped with (its log's 'error: ' or 'stopped: ' line)."""
-        prefix, error = ("error: ", UsageError) if code == BAD_INPUT else ("stopped: ", TrainingStopped)
-        lines = (self.out / "replicas" / f"rank{rank}.log").read_text().strip().splitlines()
-        raise error(next((f"rank {rank}: " + ln[len(prefix):] for ln in reversed(lines) if ln.startswith(prefix)),
-                         f"rank {rank} exited with status {code}"))
+        """Stop the run with the one line the replica stopped with: its log's 'error: ' line (bad input, exit 2),
+        its 'stopped: ' line (exit 3), or for anything else (a crash) its last line and where its log is."""
+        log = self.out / "replicas" / f"rank{rank}.log"
+        lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
+        if code in (BAD_INPUT, CANNOT_GO_ON):
+            prefix, error = ("error: ", UsageError) if code == BAD_INPUT else ("stopped: ", TrainingStopped)
+            raise error(next((f"rank {rank}: " + ln[len(prefix):] for ln in reversed(lines) if ln.startswith(prefix)),
+                             f"rank {rank} exited with status {code}"))
+        last = lines[-1].strip() if lines else "(no output)"
+        raise TrainingStopped(f"rank {rank} died (exit status {code}): {last} (see {log}); the last checkpoint in "
+                              f"{self.out} is intact, --resume continues")
 
     def stop(self) -> None:
         for r, proc in list(self.procs.items()):
             proc.send_signal(signal.SIGKILL)
             proc.wait()
         self.procs.clear()
+
+
+def _die_with_parent() -> None:
+    """In a replica before it starts (Linux): SIGKILL it when the launcher dies, however the launcher dies
+    (a SIGKILL of the launcher cannot run its clean-up, and the replicas are in their own session)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def kill_plan(schedule: failures.Schedule, explicit: list[str], n: int) -> tuple[list[Kill], frozenset[int]]:
@@ -299,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def launch() -> int:
         supervisor = lighthouse = locked = None
+        signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        original = {sig: signal.getsignal(sig) for sig in signals}
         try:
             from .train import parse_args as train_args, release_lock, take_lock
 
@@ -350,22 +368,33 @@ def main(argv: list[str] | None = None) -> int:
 
             if cfg.train.device in ("auto", "cuda") and torch.cuda.is_available():
                 supervisor.gpus = torch.cuda.device_count()
-            signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+            for sig in (signal.SIGTERM, signal.SIGHUP):  # a closed terminal or a scheduler's stop: as Ctrl-C
+                signal.signal(sig, _interrupt)
             supervisor.run(down0)
             summary = merge(out, cfg, supervisor)
             t = summary["backend"]["timings"]
             print(f"done: {summary['backend']['kills']} kills; val loss {summary['final_val_loss']:.4f}; kill -> first step without "
                   f"the rank {_fmt(t['kill_to_step_s'])} s, restart -> rejoin {_fmt(t['restart_to_rejoin_s'])} s -> {out}", flush=True)
         finally:
-            if supervisor is not None:
-                supervisor.stop()
-            if lighthouse is not None:
-                lighthouse.shutdown()
-            if locked is not None:
-                release_lock(out)
+            for sig in signals:  # a second Ctrl-C must not cut the clean-up short
+                signal.signal(sig, signal.SIG_IGN)
+            try:
+                if supervisor is not None:
+                    supervisor.stop()
+                if lighthouse is not None:
+                    lighthouse.shutdown()
+                if locked is not None:
+                    release_lock(out)
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
         return 0
 
     return guarded(launch, "interrupted: every replica process was killed")
+
+
+def _interrupt(*_):
+    raise KeyboardInterrupt
 
 
 def _fmt(values: list[float]) -> str:
