@@ -228,3 +228,57 @@ def test_a_replica_that_crashes_stops_the_launch_naming_it(tmp_path):
         "PYTHONPATH": f"{tmp_path / 'mods'}:{ROOT / 'src'}:{ROOT}"}, timeout=120)
     assert r.returncode == 3, r.stderr[-2000:]
     assert "died (exit status 1): RuntimeError: boom in a replica" in r.stderr
+
+
+def _listening(pids) -> list[str]:
+    """The local addresses of the TCP sockets these processes listen on (from /proc)."""
+    import os
+
+    inodes = set()
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            parts = line.split()
+            if parts[3] == "0A" and parts[9] in inodes:  # LISTEN
+                found.append(parts[1].split(":")[0])
+    return found
+
+
+LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}  # 127.0.0.1, ::1
+
+
+@pytest.mark.slow
+def test_on_one_node_every_server_listens_on_the_loopback_only(tmp_path):
+    """The lighthouse (in the launcher), each replica's store, torchft's manager server and gloo: none of them
+    authenticates, so on one node none listens beyond 127.0.0.1 (heals go over the process group, no HTTP)."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import subprocess_env
+
+    out = tmp_path / "ft"
+    proc = subprocess.Popen([sys.executable, "-m", "mecefo.launch", *NANO, "--out", str(out), "--ranks", "2", "--steps",
+                             "5000", "--min_step_s", "0.05", "--quiet"], env=subprocess_env(), cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 90
+        while not all((out / "replicas" / f"rank{r}.status").exists() and
+                      (out / "replicas" / f"rank{r}.status").read_text().startswith("step") for r in (0, 1)):
+            assert time.time() < deadline and proc.poll() is None, "the replicas never started training"
+            time.sleep(0.2)
+        replicas = _replica_pids(out)
+        addresses = _listening([proc.pid, *replicas])
+        assert len(replicas) == 2 and len(addresses) >= 5  # lighthouse, and per replica a store and a manager
+        assert set(addresses) <= LOOPBACK, addresses
+    finally:
+        proc.kill()
+        proc.wait()

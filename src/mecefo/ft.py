@@ -44,7 +44,7 @@ from .plan import StepPlan
 from .records import atomic_write_text
 
 HEAL_DELAY_ENV = "MECEFO_FT_HEAL_DELAY_S"  # tests: hold a process's first healing so that it can be killed then
-HOST_ENV = "MECEFO_FT_HOST"  # this replica's store address (default localhost; set it on multi-node runs)
+HOST_ENV = "MECEFO_FT_HOST"  # the address peers reach this replica at; unset: 127.0.0.1, every server on loopback
 TIMEOUT_S = 30.0  # torchft's collective / quorum timeouts on localhost
 
 
@@ -73,18 +73,22 @@ class FtCluster(Backend):
     def connect(self, components: dict, step: int) -> int | None:
         """torchft's Manager on this replica's own store (a bare process must host one; torchrun would), at
         `step`, then wait for the peers."""
-        from torch.distributed import TCPStore
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+        from torchft.checkpointing.pg_transport import PGTransport
 
         self.healed = components  # what a heal sends and takes
-        host = os.environ.get(HOST_ENV, "localhost")  # across nodes: an address the other replicas can reach
-        self.store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
-        pg = (ProcessGroupNCCL if self.device.type == "cuda" else ProcessGroupGloo)(timeout=timedelta(seconds=TIMEOUT_S))
-        self.manager = Manager(pg=pg, load_state_dict=self.load_state, state_dict=self.state, min_replica_size=1,
-                               use_async_quorum=False, replica_id=f"mecefo_{self.rank}", store_addr=host,
-                               store_port=self.store.port, rank=0, world_size=1, lighthouse_addr=self.lighthouse,
-                               timeout=timedelta(seconds=TIMEOUT_S), quorum_timeout=timedelta(seconds=TIMEOUT_S),
-                               init_sync=False)
+        host, bind = network()
+        self.store = _store(host, bind)
+        timeout = timedelta(seconds=TIMEOUT_S)
+        pg = (ProcessGroupNCCL if self.device.type == "cuda" else ProcessGroupGloo)(timeout=timeout)
+        with _manager_server_bound_to(bind):
+            self.manager = Manager(
+                pg=pg, load_state_dict=self.load_state, state_dict=self.state, min_replica_size=1,
+                use_async_quorum=False, replica_id=f"mecefo_{self.rank}", store_addr=host, store_port=self.store.port,
+                rank=0, world_size=1, lighthouse_addr=self.lighthouse, hostname=host, timeout=timeout,
+                quorum_timeout=timeout, connect_timeout=timeout, init_sync=False,
+                checkpoint_transport=PGTransport(pg, timeout=timeout, device=self.device))  # heals over the process
+                # group: no HTTP server (torchft's default transport listens on every interface)
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
         if self.wait():
             return self.manager.current_step()  # a restarted replica: its peers' step, once it has healed
@@ -214,6 +218,46 @@ class FtCluster(Backend):
 
     def summary_extras(self) -> dict:
         return {"rank": self.rank, "digest": self.digest(with_parameters=True)}
+
+
+def network() -> tuple[str, str]:
+    """(the address this replica advertises, the address its servers listen on). On one node, unless
+    MECEFO_FT_HOST says otherwise: 127.0.0.1 for both, so that nothing listens beyond the loopback. With
+    MECEFO_FT_HOST set (multi-node): that address, listening on every interface. None of these servers
+    (torchft's manager, our store, gloo) authenticates its peers: a private network only."""
+    host = os.environ.get(HOST_ENV, "")
+    return (host, "0.0.0.0") if host else ("127.0.0.1", "127.0.0.1")
+
+
+def _store(host: str, bind: str):
+    """This replica group's TCPStore (a bare process must host one; torchrun would), listening on `bind` only
+    (a TCPStore given a host name still listens on every interface; a socket handed to it does not)."""
+    import socket
+
+    from torch.distributed import TCPStore
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((bind, 0))
+    port = sock.getsockname()[1]
+    return TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=sock.detach())
+
+
+class _manager_server_bound_to:
+    """torchft 0.2.0's Manager binds its ManagerServer to [::] with no argument to change it: while the Manager
+    is built, the class it instantiates is wrapped so that the server listens on `bind` (process-local)."""
+
+    def __init__(self, bind: str):
+        self.bind = bind
+
+    def __enter__(self):
+        import torchft.manager as manager
+
+        self.module, self.original = manager, manager.ManagerServer
+        original, host = self.original, (self.bind if self.bind != "0.0.0.0" else "[::]")
+        manager.ManagerServer = lambda **kw: original(**{**kw, "bind": f"{host}:{kw['bind'].rsplit(':', 1)[1]}"})
+
+    def __exit__(self, *exc):
+        self.module.ManagerServer = self.original
 
 
 def replica(cfg, out: Path, rank: int, lighthouse: str, min_step_s: float, wait_for: int, rejoin: bool) -> None:

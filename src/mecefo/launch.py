@@ -33,6 +33,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,6 +80,8 @@ class Supervisor:
         log = open(self.out / "replicas" / f"rank{rank}.log", "a")
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                    RUST_LOG=os.environ.get("RUST_LOG", "warn"))
+        if sys.platform == "linux":  # one node: gloo's sockets on the loopback too (it otherwise takes the hostname's)
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         if self.gpus and "CUDA_VISIBLE_DEVICES" not in os.environ:  # one GPU per replica on this node
             env["CUDA_VISIBLE_DEVICES"] = str(rank % self.gpus)
         extra = ["--rejoin"] if why != "initial" else ["--wait-for", str(wait_for)]
@@ -361,9 +364,10 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum at info
             from torchft.coordination import LighthouseServer
 
-            lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=500, quorum_tick_ms=20,
+            lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=500, quorum_tick_ms=20,
                                           heartbeat_timeout_ms=1000)
-            supervisor = Supervisor(cfg, out, lighthouse.address(), kills, args.min_step_s, args.quiet, furthest=start_step)
+            address = f"http://127.0.0.1:{urllib.parse.urlparse(lighthouse.address()).port}"  # (it names the host)
+            supervisor = Supervisor(cfg, out, address, kills, args.min_step_s, args.quiet, furthest=start_step)
             import torch
 
             if cfg.train.device in ("auto", "cuda") and torch.cuda.is_available():
