@@ -282,3 +282,30 @@ def test_on_one_node_every_server_listens_on_the_loopback_only(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.slow
+def test_a_replica_that_cannot_reach_the_lighthouse_or_its_peers_stops_with_one_line(tmp_path):
+    """No wait without a deadline: an unreachable lighthouse ends at torchft's connect timeout, missing peers
+    at the join timeout, each with exit 3 and one line naming what the replica waited for."""
+    from torchft.coordination import LighthouseServer
+
+    from mecefo import config as config_mod
+    from mecefo.records import atomic_write_json
+    from tests.conftest import python_module
+
+    cfg = config_mod.load(NANO[1], {"ranks": "2", "backend": "torchft", "steps": "5"})
+    atomic_write_json(tmp_path / "config.json", {"config_hash": cfg.hash(), "config": cfg.to_dict()})
+    replica = ["mecefo.ft", "--out", str(tmp_path), "--replica", "0"]
+    r = python_module(*replica, "--lighthouse", "http://127.0.0.1:9", env={"MECEFO_FT_TIMEOUT_S": "2"}, timeout=120)
+    assert r.returncode == 3 and r.stderr.strip().splitlines()[-1].startswith(
+        "stopped: rank 0: waited 2 s for the lighthouse at http://127.0.0.1:9 in vain"), r.stderr[-2000:]
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=100)
+    try:
+        address = "http://127.0.0.1:" + lighthouse.address().rsplit(":", 1)[1]
+        r = python_module(*replica, "--lighthouse", address, "--wait_for", "2", env={"MECEFO_FT_JOIN_TIMEOUT_S": "3"},
+                          timeout=120)
+    finally:
+        lighthouse.shutdown()
+    assert r.returncode == 3 and r.stderr.strip().splitlines()[-1] == (
+        f"stopped: rank 0: waited 3 s (MECEFO_FT_JOIN_TIMEOUT_S) for 2 replicas at the lighthouse {address}; 1 there")

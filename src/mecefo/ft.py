@@ -27,6 +27,7 @@ the trainer's cadence.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -39,13 +40,14 @@ import torch
 
 from . import config as config_mod
 from .cluster import Backend, StepResult
-from .errors import UsageError, guarded
+from .errors import TrainingStopped, UsageError, guarded
 from .plan import StepPlan
 from .records import atomic_write_text
 
 HEAL_DELAY_ENV = "MECEFO_FT_HEAL_DELAY_S"  # tests: hold a process's first healing so that it can be killed then
 HOST_ENV = "MECEFO_FT_HOST"  # the address peers reach this replica at; unset: 127.0.0.1, every server on loopback
-TIMEOUT_S = 30.0  # torchft's collective / quorum timeouts on localhost
+TIMEOUT_S = float(os.environ.get("MECEFO_FT_TIMEOUT_S", "30"))  # torchft's connect, collective and quorum timeouts
+JOIN_TIMEOUT_S = float(os.environ.get("MECEFO_FT_JOIN_TIMEOUT_S", "300"))  # the wait for the peers before training
 
 
 @dataclass
@@ -81,7 +83,7 @@ class FtCluster(Backend):
         self.store = _store(host, bind)
         timeout = timedelta(seconds=TIMEOUT_S)
         pg = (ProcessGroupNCCL if self.device.type == "cuda" else ProcessGroupGloo)(timeout=timeout)
-        with _manager_server_bound_to(bind):
+        with _manager_server_bound_to(bind), self.deadline(f"the lighthouse at {self.lighthouse}"):
             self.manager = Manager(
                 pg=pg, load_state_dict=self.load_state, state_dict=self.state, min_replica_size=1,
                 use_async_quorum=False, replica_id=f"mecefo_{self.rank}", store_addr=host, store_port=self.store.port,
@@ -94,6 +96,20 @@ class FtCluster(Backend):
             return self.manager.current_step()  # a restarted replica: its peers' step, once it has healed
         print(f"rank {self.rank}: the run finished before this replica could rejoin", flush=True)
         return None
+
+    @contextlib.contextmanager
+    def deadline(self, what: str):
+        """torchft's waits end at TIMEOUT_S with an exception: the replica stops with one line naming what it
+        waited for (exit 3), not a traceback."""
+        try:
+            yield
+        except (RuntimeError, TimeoutError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise TrainingStopped(f"rank {self.rank}: waited {TIMEOUT_S:g} s for {what} in vain ({first})") from None
+
+    def quorum(self) -> None:
+        with self.deadline(f"a quorum at the lighthouse {self.lighthouse}"):
+            self.manager.start_quorum()
 
     def state(self) -> dict:
         """What a live peer sends a replica that heals (everything but the RNG states)."""
@@ -118,8 +134,14 @@ class FtCluster(Backend):
         (the run's start) or, for a restarted replica, until it has healed from a live peer. False if the
         run finished meanwhile. The last of these quorums is the first step's."""
         self.status("waiting")
+        start = time.monotonic()
         while True:
-            self.manager.start_quorum()
+            if time.monotonic() - start > JOIN_TIMEOUT_S:
+                what = "a live peer to heal from" if self.rejoin else f"{self.wait_for} replicas"
+                raise TrainingStopped(f"rank {self.rank}: waited {JOIN_TIMEOUT_S:g} s (MECEFO_FT_JOIN_TIMEOUT_S) for "
+                                      f"{what} at the lighthouse {self.lighthouse}; "
+                                      f"{self.manager.num_participants()} there")
+            self.quorum()
             if self.rejoin:  # healed, or in a quorum with peers at its own step (torchft heals only those behind)
                 if self.healed_at is not None or (self.manager.num_participants() > 1 and self.manager.is_participating()):
                     return True
@@ -145,7 +167,7 @@ class FtCluster(Backend):
                 time.sleep(spare)
         self.last_begin = time.perf_counter()
         if not self.first:  # the waiting loop's last quorum is the first step's
-            self.manager.start_quorum()
+            self.quorum()
         self.first = False
         step = self.manager.current_step()
         if self.healed_at is not None:
