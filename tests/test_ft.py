@@ -309,3 +309,74 @@ def test_a_replica_that_cannot_reach_the_lighthouse_or_its_peers_stops_with_one_
         lighthouse.shutdown()
     assert r.returncode == 3 and r.stderr.strip().splitlines()[-1] == (
         f"stopped: rank 0: waited 3 s (MECEFO_FT_JOIN_TIMEOUT_S) for 2 replicas at the lighthouse {address}; 1 there")
+
+
+@pytest.mark.slow
+def test_the_multi_node_recipe_by_hand_with_a_replica_killed_and_restarted(tmp_path):
+    """The README's recipe as written, on one machine: the lighthouse alone (torchft_lighthouse), the run
+    folder prepared, each replica started by hand with MECEFO_FT_HOST=$(hostname), one killed with SIGKILL and
+    restarted with --rejoin, the records merged; the run equals its simulated twin."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import python_module, subprocess_env
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "run"
+    lighthouse = subprocess.Popen(["torchft_lighthouse", "--min_replicas", "1", "--join_timeout_ms", "500", "--bind",
+                                   f"[::]:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    args = ["--ranks", "2", "--steps", "60", "--eval_every", "30"]
+    replicas = {}
+
+    def start(rank, *extra):
+        log = open(tmp_path / f"rank{rank}-{len(extra)}.log", "w")
+        replicas[rank] = subprocess.Popen(
+            [sys.executable, "-m", "mecefo.ft", "--out", str(out), "--replica", str(rank), "--lighthouse",
+             f"http://{socket.gethostname()}:{port}", "--wait_for", "2", "--min_step_s", "0.25", *extra],
+            env=subprocess_env(MECEFO_FT_HOST=socket.gethostname()), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+    def step(rank):
+        try:
+            what = (out / "replicas" / f"rank{rank}.status").read_text().split()
+            return int(what[1]) if what[0] == "step" else 0
+        except (OSError, IndexError, ValueError):
+            return 0
+
+    def wait_for(condition, what):
+        deadline = time.time() + 120
+        while not condition():
+            assert time.time() < deadline, what
+            time.sleep(0.05)
+
+    try:
+        r = python_module("mecefo.launch", *NANO, *args, "--out", str(out), "--prepare")
+        assert r.returncode == 0 and "python -m mecefo.ft --out" in r.stdout, r.stderr[-2000:]
+        start(0)
+        start(1)
+        wait_for(lambda: step(1) >= 8, "replica 1 trains")
+        replicas[1].send_signal(signal.SIGKILL)
+        replicas[1].wait()
+        wait_for(lambda: step(0) >= 12, "replica 0 trains alone")  # 48 steps of 0.25 s left to rejoin in
+        start(1, "--rejoin")
+        for rank in (0, 1):
+            assert replicas[rank].wait(timeout=180) == 0, (tmp_path / f"rank{rank}-1.log").read_text()[-2000:]
+    finally:
+        for p in [*replicas.values(), lighthouse]:
+            p.kill()
+            p.wait()
+    r = python_module("mecefo.launch", "--out", str(out), "--merge")
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rank_agreement"] == {"ranks_checked": [0, 1], "identical": True}
+    rows = metrics(out)
+    assert [row["step"] for row in rows] == list(range(61)) and any(row["down"] == [1] for row in rows[1:])
+    assert rows[-1]["down"] == []  # the restarted replica healed and trained again
+    twin = tmp_path / "twin"
+    assert train_main([*NANO, *args, "--quiet", "--out", str(twin), "--failures", f"steps:{out / 'failed_steps.json'}"]) == 0
+    for a, b in zip(rows[1:], metrics(twin)[1:]):
+        assert a["down"] == b["down"] and a["loss"] == pytest.approx(b["loss"], rel=1e-5)

@@ -41,7 +41,7 @@ def test_merge_joins_the_replicas_rows_into_the_trainers_records(tmp_path):
     rows = {0: [{"step": 0, "val_loss": 6.0, "tokens_seen": 0}, _row(1, 0, 10.0), _row(2, 0, 11.0, [1]), _row(3, 0, 12.0)],
             1: [{"step": 0, "val_loss": 6.0, "tokens_seen": 0}, _row(1, 1, 10.0), _row(3, 1, 12.0)]}
     supervisor = _replicas(tmp_path, rows, heals={1: [{"healed_at_step": 2, "time": 11.8}]})
-    summary = merge(tmp_path, CFG, supervisor)
+    summary = merge(tmp_path, CFG, supervisor.events, supervisor.t0)
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [0, 1, 2, 3] and metrics[2]["failed"] == [1]
     assert json.loads((tmp_path / "failed_steps.json").read_text())["failed"] == [[], [1], []]
@@ -64,7 +64,7 @@ def test_merge_joins_the_replicas_rows_into_the_trainers_records(tmp_path):
 def test_merge_refuses_records_that_are_not_one_run(tmp_path, rows, digests, message):
     supervisor = _replicas(tmp_path, rows, digests)
     with pytest.raises(TrainingStopped, match=message.replace("[", r"\[").replace("]", r"\]")):
-        merge(tmp_path, CFG, supervisor)
+        merge(tmp_path, CFG, supervisor.events, supervisor.t0)
     if "different parameters" in message:  # written anyway, saying so
         assert json.loads((tmp_path / "summary.json").read_text())["rank_agreement"]["identical"] is False
 

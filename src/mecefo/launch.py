@@ -239,10 +239,11 @@ def resume_point(out: Path, cfg) -> int:
     return step
 
 
-def merge(out: Path, cfg, supervisor: Supervisor) -> dict:
+def merge(out: Path, cfg, events: list, t0: float | None = None) -> dict:
     """metrics.jsonl, failed_steps.json, events.json and summary.json from the replicas' files: the metrics
-    rows and the summary in the trainer's schema (the summary's "backend" key holds the kills, the recovery
-    timings and the replicas compared)."""
+    rows and the summary in the trainer's schema (the summary's "backend" key holds the kills and the
+    recovery timings). events: the supervisor's (none for replicas started by hand); t0: when the launch
+    started (None: the wall time runs from the first committed step to the last)."""
     n, steps = cfg.cluster.ranks, cfg.train.steps
     rows, healed, per_rank = {}, [], {}
     for r in range(n):
@@ -273,15 +274,16 @@ def merge(out: Path, cfg, supervisor: Supervisor) -> dict:
     atomic_write_text(out / "metrics.jsonl", "".join(json.dumps(row) + "\n" for row in ordered))
     failed = [rows[s]["down"] for s in range(1, steps + 1)]  # as it happened (the policy's "failed" may differ)
     atomic_write_json(out / "failed_steps.json", {"n_ranks": n, "failed": failed})
-    timings = recovery_times(supervisor.events, rows, healed)
-    atomic_write_json(out / "events.json", {"events": supervisor.events, "healed": healed, "timings": timings})
+    timings = recovery_times(events, rows, healed)
+    atomic_write_json(out / "events.json", {"events": events, "healed": healed, "timings": timings})
+    times = [rows[s]["backend"]["time"] for s in range(1, steps + 1)]
     happened = failures.logged(n, [frozenset(f) for f in failed], cfg.cluster.seconds_per_step)
     summary = finals[0] | {
         "final_train_loss": rows[steps]["loss"], "tokens_trained": rows[steps]["tokens_trained"],
         "rank_agreement": {"ranks_checked": [f["backend"]["rank"] for f in finals], "identical": identical},
         "failure_schedule": {"fraction_failed": happened.fraction_failed(), "events": happened.failure_events()},
-        "wall_time_s": time.time() - supervisor.t0, "git_commit": git_commit(),
-        "backend": {"name": "torchft", "kills": sum(e["kind"] == "kill" for e in supervisor.events), "timings": timings}}
+        "wall_time_s": time.time() - t0 if t0 is not None else max(times) - min(times), "git_commit": git_commit(),
+        "backend": {"name": "torchft", "kills": sum(e["kind"] == "kill" for e in events), "timings": timings}}
     atomic_write_json(out / "summary.json", summary)
     if not identical:
         raise TrainingStopped(f"the live replicas ended with different parameters (ranks {summary['rank_agreement']})")
@@ -314,6 +316,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="RANK:STEP (killed for good), RANK:STEP:RESTART_STEP, or RANK:heal (killed while healing, restarted)")
     config_mod.add_flag(parser, "min-step-s", type=float, default=0.0, help="pace steps to at least this long (so kills land)")
     parser.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt")
+    parser.add_argument("--prepare", action="store_true",
+                        help="replicas started by hand (multi-node): check the config, write DIR/config.json and exit")
+    parser.add_argument("--merge", action="store_true",
+                        help="after replicas started by hand: merge their files into DIR's metrics and summary")
     parser.add_argument("--quiet", action="store_true")
 
     def launch() -> int:
@@ -324,6 +330,10 @@ def main(argv: list[str] | None = None) -> int:
             from .train import parse_args as train_args, release_lock, take_lock
 
             args, rest = parser.parse_known_args(argv)
+            if args.merge:
+                return merge_by_hand(Path(args.out), rest or args.config or args.kill or args.resume or args.prepare)
+            if args.prepare and args.kill:
+                raise UsageError("--prepare: replicas started by hand are killed by hand (or by your cluster), not --kill")
             trainer_flags, overrides = train_args(rest)
             if trainer_flags.stop_after is not None:
                 raise UsageError("mecefo.launch has no --stop_after: interrupt it (Ctrl-C) and continue with --resume")
@@ -361,6 +371,12 @@ def main(argv: list[str] | None = None) -> int:
             for p in (out / "replicas").glob("rank*.status"):
                 p.unlink()
             atomic_write_json(out / "config.json", {"config_hash": cfg.hash(), "config": cfg.to_dict()})
+            if args.prepare:
+                print(f"prepared {out}: on each node, for each of its ranks R, with N = {cc.ranks - len(down0)} ranks up "
+                      f"at step 0:\n  MECEFO_FT_HOST=$(hostname) python -m mecefo.ft --out {out} --replica R "
+                      f"--lighthouse http://LIGHTHOUSE_HOST:29510 --wait_for N\n(a restarted rank adds --rejoin); then "
+                      f"python -m mecefo.launch --out {out} --merge", flush=True)
+                return 0
             os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum at info
             from torchft.coordination import LighthouseServer
 
@@ -375,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
             for sig in (signal.SIGTERM, signal.SIGHUP):  # a closed terminal or a scheduler's stop: as Ctrl-C
                 signal.signal(sig, _interrupt)
             supervisor.run(down0)
-            summary = merge(out, cfg, supervisor)
+            summary = merge(out, cfg, supervisor.events, supervisor.t0)
             t = summary["backend"]["timings"]
             print(f"done: {summary['backend']['kills']} kills; val loss {summary['final_val_loss']:.4f}; kill -> first step without "
                   f"the rank {_fmt(t['kill_to_step_s'])} s, restart -> rejoin {_fmt(t['restart_to_rejoin_s'])} s -> {out}", flush=True)
@@ -395,6 +411,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     return guarded(launch, "interrupted: every replica process was killed")
+
+
+def merge_by_hand(out: Path, other_flags) -> int:
+    """--merge: the records of a run whose replicas were started by hand (no supervisor: no kill events)."""
+    if other_flags:
+        raise UsageError("--merge takes only --out (the run's config is the one in DIR/config.json)")
+    try:
+        cfg = config_mod.build(json.loads((out / "config.json").read_text())["config"])
+    except (OSError, ValueError, KeyError) as e:
+        raise UsageError(f"--merge: {out / 'config.json'} cannot be read ({type(e).__name__}); --prepare writes it") from None
+    summary = merge(out, cfg, [])
+    print(f"merged {cfg.cluster.ranks} replicas' records: val loss {summary['final_val_loss']:.4f} -> {out}", flush=True)
+    return 0
 
 
 def _interrupt(*_):
