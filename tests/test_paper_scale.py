@@ -287,6 +287,15 @@ def _scaled(line: str, shards, out, port: int) -> list[list[str]]:
     return nodes
 
 
+def _readme_command() -> list[str]:
+    """The torchrun command of the README's "From N nodes of 8 GPUs and a C4 copy" block."""
+    from tests.conftest import ROOT
+
+    block = (ROOT / "README.md").read_text().split("### From N nodes of 8 GPUs and a C4 copy")[1].split("```")[1]
+    joined = block.replace("\\\n", " ")
+    return next(ln for ln in joined.splitlines() if ln.startswith("torchrun ")).split()
+
+
 def _two_nodes(nodes, extra=()):
     import subprocess
     import sys
@@ -312,12 +321,14 @@ def test_the_full_commands_run_scaled_down_on_two_nodes_with_failures_and_a_resu
     from tests.conftest import write_c4_shard
 
     monkeypatch.setenv("MECEFO_CACHE", str(tmp_path / "cache"))
-    shards = tmp_path / "c4"
-    shards.mkdir()
-    write_c4_shard(shards, "train", 300, 0)
-    write_c4_shard(shards, "validation", 40, 1)
+    shards = tmp_path / "c4"  # $C4_DIR; for 7B in Hugging Face's layout, the shards under en/
+    (shards / "en" if preset == "llama-7b" else shards).mkdir(parents=True)
+    write_c4_shard(shards / "en" if preset == "llama-7b" else shards, "train", 300, 0)
+    write_c4_shard(shards / "en" if preset == "llama-7b" else shards, "validation", 40, 1)
     script, _ = full_commands()
     line = next(ln for ln in script.splitlines() if f"--preset {preset} " in ln and "--failures high" in ln)
+    if preset == "llama-7b":  # the README's command is this line, word for word
+        assert _readme_command() == line.split()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -92,11 +92,20 @@ def shakespeare_documents(split: str) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------- C4
+def shard_folder(data_dir: str) -> Path:
+    """The folder holding the c4-*.json.gz shards: data_dir itself, or its en/ (Hugging Face's allenai/c4 copy
+    keeps the English shards there)."""
+    folder = Path(data_dir)
+    if not any(folder.glob("c4-*.json.gz")) and any((folder / "en").glob("c4-*.json.gz")):
+        return folder / "en"
+    return folder
+
+
 def c4_documents(split: str, data_dir: str | None) -> Iterator[str]:
     """Texts of allenai/c4 'en' (`split` is train or validation): local c4-<split>.*.json.gz shards from
     data_dir, else streamed through `datasets` (needs a network and `pip install datasets`)."""
     if data_dir:
-        shards = sorted(Path(data_dir).glob(f"c4-{split}.*.json.gz"))
+        shards = sorted(shard_folder(data_dir).glob(f"c4-{split}.*.json.gz"))
         if not shards:
             raise UsageError(f"--data_dir {data_dir} holds no c4-{split}.*.json.gz shards; {C4_DOWNLOAD_HINT}")
         for shard in shards:
@@ -259,7 +268,7 @@ def _source_key(cfg: DataConfig) -> dict:
         key.update(c4_train_tokens=cfg.c4_train_tokens, c4_val_tokens=cfg.c4_val_tokens,
                    c4_tokenizer_docs=cfg.c4_tokenizer_docs)
         if cfg.data_dir:
-            key["shards"] = sorted((p.name, p.stat().st_size) for p in Path(cfg.data_dir).glob("c4-*.json.gz"))
+            key["shards"] = sorted((p.name, p.stat().st_size) for p in shard_folder(cfg.data_dir).glob("c4-*.json.gz"))
     return key
 
 
