@@ -269,10 +269,14 @@ SMALL = {"preset": "nano", "vocab_size": "300", "seq_len": "32", "micro_batch_si
 C4_SMALL = ["--c4_train_tokens", "6000", "--c4_val_tokens", "1200", "--c4_tokenizer_docs", "100", "--val_windows", "8"]
 
 
-def _scaled(line: str, shards, out, port: int) -> list[list[str]]:
+def _scaled(line: str, shards, out, port: int, rendezvous: str = "static") -> list[list[str]]:
     """A --full torchrun line with its model, steps and shards scaled down, every flag kept: the argv of
-    its two nodes, both on this machine (NODE_RANK 0 and 1, MASTER_ADDR 127.0.0.1)."""
+    its two nodes, both on this machine (NODE_RANK 0 and 1, MASTER_ADDR 127.0.0.1; with rendezvous "c10d",
+    torchrun's c10d rendezvous on 127.0.0.1 in place of the static master address)."""
     words = line.split()
+    if rendezvous == "c10d":
+        at = words.index("--master_addr")
+        words[at:at + 2] = ["--rdzv_backend", "c10d", "--rdzv_id", "mecefo-test", "--rdzv_endpoint", f"127.0.0.1:{port}"]
     assert words[:2] == ["torchrun", "--nnodes"]
     for i, w in enumerate(words):
         if w.startswith("--") and w[2:] in SMALL:
@@ -283,7 +287,8 @@ def _scaled(line: str, shards, out, port: int) -> list[list[str]]:
     for rank in (0, 1):
         argv = [{"$NODE_RANK": str(rank), "$MASTER_ADDR": "127.0.0.1", "$C4_DIR": str(shards)}.get(w, w) for w in words]
         at = argv.index("-m")
-        nodes.append(["torch.distributed.run", *argv[1:at], "--master_port", str(port), *argv[at:], *C4_SMALL, "--quiet"])
+        master = ["--master_port", str(port)] if rendezvous == "static" else []
+        nodes.append(["torch.distributed.run", *argv[1:at], *master, *argv[at:], *C4_SMALL, "--quiet"])
     return nodes
 
 
@@ -309,8 +314,10 @@ def _two_nodes(nodes, extra=()):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["llama-350m", "llama-7b"])  # replicated, and sharded with FSDP2
-def test_the_full_commands_run_scaled_down_on_two_nodes_with_failures_and_a_resume(preset, tmp_path, monkeypatch):
+@pytest.mark.parametrize("preset, rendezvous", [("llama-350m", "static"), ("llama-7b", "static"),  # replicated;
+                                                ("llama-350m", "c10d")])  # FSDP2; torchrun's c10d rendezvous
+def test_the_full_commands_run_scaled_down_on_two_nodes_with_failures_and_a_resume(preset, rendezvous, tmp_path,
+                                                                                     monkeypatch):
     """What `experiments.sweep --full` writes for a cluster, every flag kept (torchrun over 2 nodes, C4 from
     --data_dir, failures at high, checkpoints, --shard where written), with the model, steps and shards
     scaled down: two launches rendezvous on 127.0.0.1, are interrupted after step 3 and resumed, and end with
@@ -332,7 +339,7 @@ def test_the_full_commands_run_scaled_down_on_two_nodes_with_failures_and_a_resu
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    nodes = _scaled(line, shards, tmp_path / "cluster", port)
+    nodes = _scaled(line, shards, tmp_path / "cluster", port, rendezvous)
     _two_nodes(nodes, ["--stop_after", "3"])
     assert not (tmp_path / "cluster" / "summary.json").exists()
     _two_nodes(nodes, ["--resume"])

@@ -118,7 +118,7 @@ class FtCluster(Backend):
     def load_state(self, state: dict) -> None:
         self.status("healing")
         delay = float(os.environ.get(HEAL_DELAY_ENV, "0") or 0)
-        if delay and not self.healed_before:
+        if delay and (not self.healed_before or os.environ.get("MECEFO_FT_HEAL_DELAY_EVERY")):
             time.sleep(delay)
         self.healed_before = True
         for k, v in state.items():
