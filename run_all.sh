@@ -23,6 +23,7 @@ step "training-step benchmark (ours vs a plain reference loop)"
 python -m experiments.bench_train $quick
 python -m experiments.bench_ranks $quick
 python -m experiments.bench_ft $quick
+[ -z "$quick" ] && python -m experiments.bench_heal   # slow heals on torchft (4 runs, ~4 min; not in CI's profile)
 
 step "neighbour cost ablation (the paper's Table 6)"
 python -m experiments.ablation $quick
@@ -57,6 +58,7 @@ python -m paper_figures.throughput $quick
 python -m paper_figures.bias_variance $quick
 python -m paper_figures.grad_error $quick
 python -m paper_figures.rate $quick
+[ -z "$quick" ] && python -m paper_figures.heal
 python -m paper_figures.headline $quick   # the README's first screen, from the results above
 python -m analysis.run_notebooks
 

@@ -328,7 +328,7 @@ def test_the_multi_node_recipe_by_hand_with_a_replica_killed_and_restarted(tmp_p
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "run"
-    lighthouse = subprocess.Popen(["torchft_lighthouse", "--min_replicas", "1", "--join_timeout_ms", "500", "--bind",
+    lighthouse = subprocess.Popen(["torchft_lighthouse", "--min_replicas", "1", "--join_timeout_ms", "20000", "--bind",
                                    f"[::]:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     args = ["--ranks", "2", "--steps", "60", "--eval_every", "30"]
     replicas = {}

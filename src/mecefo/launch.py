@@ -43,6 +43,12 @@ from .errors import BAD_INPUT, CANNOT_GO_ON, TrainingStopped, UsageError, guarde
 from .records import atomic_write_json, atomic_write_text, git_commit
 
 POLL_S = 0.02
+# How long the lighthouse waits for a live (heartbeating) replica that has not asked for the quorum yet before
+# forming one without it; a dead one drops out at the heartbeat timeout (1 s) whatever this is. It must exceed
+# the longest step plus heal: with 500 ms, a replica kept waiting through a peer's 5 s heal made the next quorum
+# form the moment one other peer arrived, leaving the third out by milliseconds, which then had to heal: the
+# replicas took turns healing every 2-3 steps for ever (measured). Below the quorum timeout (MECEFO_FT_TIMEOUT_S).
+JOIN_TIMEOUT_MS = int(os.environ.get("MECEFO_FT_LIGHTHOUSE_JOIN_MS", "20000"))
 
 
 @dataclass
@@ -380,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum at info
             from torchft.coordination import LighthouseServer
 
-            lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=500, quorum_tick_ms=20,
+            lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=JOIN_TIMEOUT_MS, quorum_tick_ms=20,
                                           heartbeat_timeout_ms=1000)
             address = f"http://127.0.0.1:{urllib.parse.urlparse(lighthouse.address()).port}"  # (it names the host)
             supervisor = Supervisor(cfg, out, address, kills, args.min_step_s, args.quiet, furthest=start_step)
