@@ -313,7 +313,8 @@ def recovery_times(events: list, rows: dict, healed: list) -> dict:
     return {"kill_to_step_s": to_first_step, "restart_to_rejoin_s": to_rejoin}
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, restore_signals: bool = True) -> int:
+    """The launcher (restore_signals=False: as a process, Ctrl-C stays ignored after the clean-up, until exit)."""
     parser = argparse.ArgumentParser(prog="python -m mecefo.launch", description=__doc__.splitlines()[0], allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=config_mod.fields_help())
     parser.add_argument("--config")
@@ -412,8 +413,9 @@ def main(argv: list[str] | None = None) -> int:
                 if locked is not None:
                     release_lock(out)
             finally:
-                for sig, handler in original.items():
-                    signal.signal(sig, handler)
+                for sig, handler in original.items():  # in-process callers (tests) get their handlers back
+                    if restore_signals:
+                        signal.signal(sig, handler)
         return 0
 
     return guarded(launch, "interrupted: every replica process was killed")
@@ -441,4 +443,8 @@ def _fmt(values: list[float]) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main(restore_signals=False)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # every replica is dead and every file written: skip the interpreter's teardown, where a late
+    # KeyboardInterrupt (a second Ctrl-C) or torchft's threads could hang it
