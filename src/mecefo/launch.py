@@ -395,8 +395,8 @@ def main(argv: list[str] | None = None, restore_signals: bool = True) -> int:
 
             if cfg.train.device in ("auto", "cuda") and torch.cuda.is_available():
                 supervisor.gpus = torch.cuda.device_count()
-            for sig in (signal.SIGTERM, signal.SIGHUP):  # a closed terminal or a scheduler's stop: as Ctrl-C
-                signal.signal(sig, _interrupt)
+            for sig in signals:  # Ctrl-C, a closed terminal, a scheduler's stop: all end the launch the same way (and
+                signal.signal(sig, _interrupt)  # SIGINT too where it was inherited ignored, as in a background job)
             supervisor.run(down0)
             summary = merge(out, cfg, supervisor.events, supervisor.t0)
             t = summary["backend"]["timings"]
