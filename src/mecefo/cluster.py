@@ -32,7 +32,7 @@ from .plan import NORMAL, Piece, StepPlan
 class ClusterConfig:
     ranks: int = 1  # data-parallel size n
     backend: str = "local"  # a registered backend (mecefo.cluster.BACKENDS; `--help` lists them)
-    shard: str = "none"  # none (every rank holds the whole model) | fsdp (FSDP2 over the DP group; torch backend)
+    shard: str = "none"  # none (every rank holds the whole model) | fsdp (FSDP2: torch, over the ranks; torchft, in each group)
     failures: str = "none"  # none | low | mid | high | custom:<interval_h>:<recovery_h> | path/to/trace.csv
     policy: str = "mecefo"  # a registered policy (mecefo.policies.trainer_policies())
     techniques: str = "mecefo"  # what mecefo's neighbours / spread-mecefo's extra shares apply
@@ -113,8 +113,10 @@ BACKENDS = {s.name: s for s in (  # the only place backends are named
     BackendSpec("torch", "one process per rank under torchrun (gloo on CPU, nccl on CUDA); --shard fsdp: FSDP2",
                 "torchrun --nproc_per_node N -m mecefo.train", "mecefo.train",
                 {"none": "mecefo.cluster:TorchCluster", "fsdp": "mecefo.cluster:ShardedCluster"}),
-    BackendSpec("torchft", "one process per rank under torchft's Manager: real process deaths, healing from a peer",
-                "python -m mecefo.launch", "mecefo.launch", {"none": "mecefo.ft:FtCluster"}, rollbacks=False),
+    BackendSpec("torchft", "one process per rank under torchft's Manager: real process deaths, healing from a peer; "
+                "--shard fsdp: a replica group of --group_size processes per rank, FSDP2 inside",
+                "python -m mecefo.launch", "mecefo.launch",
+                {"none": "mecefo.ft:FtCluster", "fsdp": "mecefo.ft:FtShardedCluster"}, rollbacks=False),
 )}
 
 
@@ -604,63 +606,76 @@ class ShardedCluster(TorchCluster):
                 weight_sum += mine[i].weight
             else:
                 self.run_piece(filler, 0.0)
-        self._finish_low_rank(plan)
+        add_low_rank_rows(self.model, self.lowrank, plan, self.rank, self.n_ranks, self.dist.all_reduce)
         totals = torch.tensor([loss_sum, weight_sum], device=self.device, dtype=torch.float64)
         self.dist.all_reduce(totals)
         self.normalise(plan.counts(len(self.model.layers)))
         return StepResult(totals[0].item() / max(totals[1].item(), 1e-12), plan.samples())
 
-    @torch.no_grad()
-    def _finish_low_rank(self, plan: StepPlan) -> None:
-        """Sum the ranks' factors G_y^T (x V1) (m x r each) and add this rank's rows of (sum) V1^T to its
-        gradient shard (FSDP2 shards dim 0 in torch.chunk's split)."""
-        linears = self.lowrank.matrices(self.model, plan.uses("low_rank_wgrad"), plan.uses("low_rank_head"))
-        if not linears:
-            return
-        pending = self.lowrank.pending
-        factors = [pending.pop(m, None) for m in linears]
-        shapes = [(m.weight.shape[0], self.lowrank.basis(m).shape[1]) for m in linears]
-        flat = torch.cat([(f if f is not None else torch.zeros(s, device=self.device)).reshape(-1).float()
-                          for f, s in zip(factors, shapes)])
-        self.dist.all_reduce(flat)
-        offset = 0
-        for m, shape in zip(linears, shapes):
-            factor = flat[offset: offset + shape[0] * shape[1]].view(shape)
-            offset += factor.numel()
-            local = m.weight.grad.to_local()
-            chunks = factor.chunk(self.n_ranks, dim=0)
-            rows = chunks[self.rank] if self.rank < len(chunks) else factor[:0]
-            if rows.shape[0] != local.shape[0]:
-                raise RuntimeError(f"FSDP shard of {m} has {local.shape[0]} rows, expected {rows.shape[0]}")
-            local.add_(self.lowrank.gradient(m, rows).to(local.dtype))
-
     def components(self, optimizer) -> dict[str, Component]:
-        """Whole tensors gathered onto rank 0's CPU (a collective; the other ranks get empty dicts), and on
-        load broadcast from rank 0 into every rank's shards."""
-        from torch.distributed.checkpoint import state_dict as dcp
-
-        gather = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
-        scatter = dcp.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        return {"model": Component(lambda: dcp.get_model_state_dict(self.model, options=gather),
-                                   lambda s: dcp.set_model_state_dict(self.model, s, options=scatter)),
-                "optimizer": Component(lambda: dcp.get_optimizer_state_dict(self.model, optimizer, options=gather),
-                                       lambda s: dcp.set_optimizer_state_dict(self.model, optimizer, s, options=scatter))}
+        return sharded_components(self.model, optimizer)
 
     def restore_checkpoint(self, path, config_hash: str, components: dict, optimizer) -> int:
-        """Rank 0 reads the file and broadcasts it: the model and optimizer into the shards, the rest as one
-        object."""
-        sharded, box, ckpt = ("model", "optimizer"), [None], {}
-        if self.rank == 0:
-            ckpt = checkpoint.load(path, config_hash)
-            box[0] = {k: v for k, v in ckpt.items() if k not in sharded}
-        self.dist.broadcast_object_list(box, src=0)
-        return checkpoint.restore(box[0] | {k: ckpt.get(k, {}) for k in sharded}, components)
+        return restore_sharded(path, config_hash, components, self.rank)
 
     def agreement(self) -> dict:
         """Every rank holds the same V1 (the parameters are shards: each rank's are its own)."""
         digests = [None] * self.n_ranks
         self.dist.all_gather_object(digests, self.digest(with_parameters=False))
         return {"ranks_checked": list(range(self.n_ranks)), "identical": all(d == digests[0] for d in digests)}
+
+
+@torch.no_grad()
+def add_low_rank_rows(model, lowrank: LowRankWgrad, plan: StepPlan, shard: int, n_shards: int, all_reduce) -> None:
+    """FSDP2 with low_rank_wgrad: sum the factors G_y^T (x V1) (m x r each) of the processes sharing the shards
+    (all_reduce, a SUM over them) and add this shard's rows of (sum) V1^T to its gradient shard (FSDP2 shards
+    dim 0 in torch.chunk's split)."""
+    linears = lowrank.matrices(model, plan.uses("low_rank_wgrad"), plan.uses("low_rank_head"))
+    if not linears:
+        return
+    device = next(model.parameters()).device
+    factors = [lowrank.pending.pop(m, None) for m in linears]
+    shapes = [(m.weight.shape[0], lowrank.basis(m).shape[1]) for m in linears]
+    flat = torch.cat([(f if f is not None else torch.zeros(s, device=device)).reshape(-1).float()
+                      for f, s in zip(factors, shapes)])
+    all_reduce(flat)
+    offset = 0
+    for m, shape in zip(linears, shapes):
+        factor = flat[offset: offset + shape[0] * shape[1]].view(shape)
+        offset += factor.numel()
+        local = m.weight.grad.to_local()
+        chunks = factor.chunk(n_shards, dim=0)
+        rows = chunks[shard] if shard < len(chunks) else factor[:0]
+        if rows.shape[0] != local.shape[0]:
+            raise RuntimeError(f"FSDP shard of {m} has {local.shape[0]} rows, expected {rows.shape[0]}")
+        local.add_(lowrank.gradient(m, rows).to(local.dtype))
+
+
+def sharded_components(model, optimizer) -> dict[str, Component]:
+    """An FSDP2 model and its optimizer as checkpoint components: whole tensors gathered onto the group's rank
+    0's CPU (a collective of the processes sharing the shards; the others get empty dicts), and on load
+    broadcast from rank 0 into every process's shards."""
+    from torch.distributed.checkpoint import state_dict as dcp
+
+    gather = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    scatter = dcp.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    return {"model": Component(lambda: dcp.get_model_state_dict(model, options=gather),
+                               lambda s: dcp.set_model_state_dict(model, s, options=scatter)),
+            "optimizer": Component(lambda: dcp.get_optimizer_state_dict(model, optimizer, options=gather),
+                                   lambda s: dcp.set_optimizer_state_dict(model, optimizer, s, options=scatter))}
+
+
+def restore_sharded(path, config_hash: str, components: dict, rank: int) -> int:
+    """The shards' rank 0 (`rank`: this process's rank in the default process group) reads the checkpoint and
+    broadcasts it: the model and optimizer into the shards, the rest as one object. Returns its step."""
+    import torch.distributed as dist
+
+    sharded, box, ckpt = ("model", "optimizer"), [None], {}
+    if rank == 0:
+        ckpt = checkpoint.load(path, config_hash)
+        box[0] = {k: v for k, v in ckpt.items() if k not in sharded}
+    dist.broadcast_object_list(box, src=0)
+    return checkpoint.restore(box[0] | {k: ckpt.get(k, {}) for k in sharded}, components)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
-"""The torchft backend: one process per data-parallel rank (a replica group of one GPU or CPU process),
-under torchft's Manager, surviving real process deaths. Started by `python -m mecefo.launch`, which also
-runs the lighthouse and kills and restarts replicas.
+"""The torchft backend: each data-parallel rank a replica group under torchft's Manager, surviving real
+process deaths: one process holding the whole model (FtCluster), or with --shard fsdp a group of processes
+sharding it with FSDP2 (FtShardedCluster). Started by `python -m mecefo.launch`, which also runs the
+lighthouse and kills and restarts replicas, or by hand (multi-node; torchrun for a group).
 
 Each step, on every live replica:
   1. quorum (torchft): the lighthouse says which replicas take part; a replica behind the others (a
@@ -22,6 +23,7 @@ file says what the replica is doing, and the lowest live rank evaluates and writ
 the trainer's cadence.
 
     python -m mecefo.ft --out OUT --replica R --lighthouse ADDR     (the launcher's command; OUT/config.json)
+    torchrun --nproc_per_node K ... -m mecefo.ft --out OUT ...     (replica R as a group of K, --shard fsdp)
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import torch
 from . import config as config_mod
 from .cluster import Backend, StepResult
 from .errors import TrainingStopped, UsageError, guarded
-from .plan import StepPlan
+from .plan import Piece, StepPlan
 from .records import atomic_write_text
 
 HEAL_DELAY_ENV = "MECEFO_FT_HEAL_DELAY_S"  # tests: hold a process's first healing so that it can be killed then
@@ -60,8 +62,10 @@ class FtCluster(Backend):
     min_step_s: float = 0.0  # pace steps to at least this long (so that the launcher's kills land)
     wait_for: int = 1  # replicas to wait for before the first step
     rejoin: bool = False  # a restarted replica: heal from a live peer first
+    group: "Group | None" = None  # this process's replica group (join_group)
 
     def __post_init__(self):
+        self.group = self.group or join_group("none", self.device)
         self.replicas = self.run_dir / "replicas"
         self.replicas.mkdir(parents=True, exist_ok=True)
         self.manager, self.store, self.healed = None, None, {}
@@ -69,7 +73,8 @@ class FtCluster(Backend):
         self.status("starting")
 
     def status(self, what: str) -> None:
-        atomic_write_text(self.replicas / f"rank{self.rank}.status", f"{what} {time.time():.3f}\n")
+        if self.group.rank == 0:  # the group's files are its rank 0's
+            atomic_write_text(self.replicas / f"rank{self.rank}.status", f"{what} {time.time():.3f}\n")
 
     # ------------------------------------------------------------------ peers
     def connect(self, components: dict, step: int) -> int | None:
@@ -80,14 +85,13 @@ class FtCluster(Backend):
 
         self.healed = components  # what a heal sends and takes
         host, bind = network()
-        self.store = _store(host, bind)
         timeout = timedelta(seconds=TIMEOUT_S)
         pg = (ProcessGroupNCCL if self.device.type == "cuda" else ProcessGroupGloo)(timeout=timeout)
         with _manager_server_bound_to(bind), self.deadline(f"the lighthouse at {self.lighthouse}"):
             self.manager = Manager(
                 pg=pg, load_state_dict=self.load_state, state_dict=self.state, min_replica_size=1,
-                use_async_quorum=False, replica_id=f"mecefo_{self.rank}", store_addr=host, store_port=self.store.port,
-                rank=0, world_size=1, lighthouse_addr=self.lighthouse, hostname=host, timeout=timeout,
+                use_async_quorum=False, replica_id=f"mecefo_{self.rank}", store_addr=self.group.address,
+                store_port=self.group.port, rank=self.group.rank, world_size=self.group.size, lighthouse_addr=self.lighthouse, hostname=host, timeout=timeout,
                 quorum_timeout=timeout, connect_timeout=timeout, init_sync=False,
                 checkpoint_transport=PGTransport(pg, timeout=timeout, device=self.device))  # heals over the process
                 # group: no HTTP server (torchft's default transport listens on every interface)
@@ -172,8 +176,9 @@ class FtCluster(Backend):
         step = self.manager.current_step()
         if self.healed_at is not None:
             print(f"rank {self.rank}: healed from a live peer at step {step}", flush=True)
-            with open(self.replicas / f"rank{self.rank}.heals.jsonl", "a") as f:
-                f.write(json.dumps({"healed_at_step": step, "time": self.healed_at}) + "\n")
+            if self.group.rank == 0:
+                with open(self.replicas / f"rank{self.rank}.heals.jsonl", "a") as f:
+                    f.write(json.dumps({"healed_at_step": step, "time": self.healed_at}) + "\n")
             self.healed_at = None
         return step
 
@@ -220,16 +225,17 @@ class FtCluster(Backend):
 
     def writes(self, plan: StepPlan | None) -> bool:
         """The lowest live rank evaluates and checkpoints at a step; outside a step every replica evaluates."""
-        return plan is None or self.rank == min(set(range(self.n_ranks)) - plan.failed)
+        return self.group.rank == 0 and self.io(plan)
 
     def io(self, plan: StepPlan | None) -> bool:
-        return self.writes(plan)  # nothing collective: only the writer takes part
+        """The replica (its whole group) that writes: the lowest live rank at a step; every replica outside one."""
+        return plan is None or self.rank == min(set(range(self.n_ranks)) - plan.failed)
 
     def metrics_path(self, out):
-        return self.replicas / f"rank{self.rank}.jsonl"
+        return self.replicas / f"rank{self.rank}.jsonl" if self.group.rank == 0 else None
 
     def summary_path(self, out):
-        return self.replicas / f"rank{self.rank}.summary.json"
+        return self.replicas / f"rank{self.rank}.summary.json" if self.group.rank == 0 else None
 
     def extras(self) -> dict:
         return {"rank": self.rank, "time": time.time()}
@@ -240,6 +246,234 @@ class FtCluster(Backend):
 
     def summary_extras(self) -> dict:
         return {"rank": self.rank, "digest": self.digest(with_parameters=True)}
+
+
+class FtShardedCluster(FtCluster):
+    """A replica group of k processes sharding the model with FSDP2 (`--shard fsdp`; k = the group's
+    WORLD_SIZE, 1 included): the group is one data-parallel rank of the paper, its micro-batches split by rows
+    over its processes. Each backward reduce-scatters w_p grad(loss_p) within the group (summed, as on the
+    torch backend's FSDP); the gradient shards, the loss and weight sums then cross the groups through
+    torchft's all-reduce, process j of every group with process j of the others, SUM, and the per-group
+    weights are divided out: the paper's aggregation rule, as on every backend. Low-rank factors G_y^T (x V1)
+    are summed within the group and each process adds its shard's rows of (sum) V1^T before the exchange
+    (linear, so the sum over groups is the sum of all factors).
+
+    The failure unit is the group: its processes join one quorum (torchft's ManagerServer on the group's
+    rank 0 waits for all k) and commit together; when one dies the launcher takes the group down and
+    restarts it, and process j heals its own shards (parameters, optimizer state) from process j of a live
+    group, the rest of the state as on the unsharded backend. Files are the group's rank 0's."""
+
+    @classmethod
+    def build_model(cls, model_cfg, device: torch.device, seed: int) -> torch.nn.Module:
+        from .cluster import sharded_model
+
+        return sharded_model(model_cfg, device, seed)  # over the group's process group (the default one)
+
+    def components(self, optimizer) -> dict:
+        from .cluster import sharded_components
+
+        self.optimizer = optimizer  # (a heal sends its shards)
+        return sharded_components(self.model, optimizer)
+
+    def restore_checkpoint(self, path, config_hash: str, components: dict, optimizer) -> int:
+        from .cluster import restore_sharded
+
+        return restore_sharded(path, config_hash, components, self.group.rank)
+
+    def evaluates(self, plan: StepPlan | None) -> bool:
+        return self.io(plan)  # the whole group: the forward pass gathers the shards
+
+    def parameters_finite(self) -> bool:
+        return _all_in_group(super().parameters_finite(), self.device)
+
+    def run_finished(self) -> bool:
+        return not _all_in_group(not super().run_finished(), self.device)  # one answer for the group
+
+    def failed(self, step: int, schedule) -> frozenset[int] | None:
+        """The quorum's failed set, or None for the whole group if any of its processes saw a peer fail during
+        the exchange (its processes then all redo the step; one computing while another does not would hang)."""
+        down = super().failed(step, schedule)
+        return down if _all_in_group(down is not None, self.device) else None
+
+    # ------------------------------------------------------------------ a heal: this process's shards
+    def state(self) -> dict:
+        from .cluster import _local
+
+        _reshard(self.model)
+        rest = {k: c.state_dict() for k, c in self.healed.items() if k not in ("rng", "model", "optimizer")}
+        return rest | {  # (the model's components gather the whole model: a collective, and the group's processes
+            "group_size": self.group.size,  # may send to different groups' processes, or only some of them send)
+            "model": {k: _local(p).detach() for k, p in self.model.named_parameters()},
+            "optimizer": _map_tensors(self.optimizer.state_dict(), _local)}
+
+    def load_state(self, state: dict) -> None:
+        if state.get("group_size") != self.group.size:
+            raise TrainingStopped(f"rank {self.rank}: a live group of {state.get('group_size')} processes cannot heal a "
+                                  f"group of {self.group.size} (every replica group must have the same size)")
+        model, optimizer = state.pop("model"), state.pop("optimizer")
+        state.pop("group_size")
+        super().load_state(state)
+        from .cluster import _local
+
+        _reshard(self.model)
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for k, v in model.items():
+                _local(params[k]).copy_(v)
+        by_index = [p for g in self.optimizer.param_groups for p in g["params"]]
+        for i, entry in optimizer["state"].items():  # the peer's local shards back into DTensors of our own layout
+            p = by_index[int(i)]
+            for k, v in entry.items():
+                if torch.is_tensor(v) and hasattr(p, "device_mesh") and v.dim() > 0 and v.shape == _local(p).shape:
+                    from torch.distributed.tensor import DTensor
+
+                    entry[k] = DTensor.from_local(v.to(self.device), p.device_mesh, p.placements, run_check=False,
+                                                  shape=p.shape, stride=p.stride())
+        self.optimizer.load_state_dict(optimizer)
+
+    # ------------------------------------------------------------------ a step
+    def step(self, plan: StepPlan) -> StepResult:
+        import torch.distributed as dist
+        from torch.distributed import ReduceOp
+
+        from .cluster import _local, add_low_rank_rows
+
+        self.current_step = plan.step
+        self.model.zero_grad(set_to_none=True)
+        loss_sum, weight_sum = 0.0, 0.0
+        for piece in plan.pieces.get(self.rank, ()):  # every process of the group: one pass per piece (FSDP's
+            mine = rows_of(piece, self.group.rank, self.group.size)  # collectives need all of them in each)
+            if mine is None:  # more processes than rows: one row at weight 0 (its gradient is exactly 0)
+                self.run_piece(Piece(piece.owner, piece.micro, piece.start, piece.start + 1, piece.batch,
+                                     piece.techniques), 0.0)
+                continue
+            loss_sum += self.run_piece(mine, mine.weight) * mine.weight
+            weight_sum += mine.weight
+        add_low_rank_rows(self.model, self.lowrank, plan, self.group.rank, self.group.size, dist.all_reduce)
+        totals = torch.tensor([loss_sum, weight_sum], device=self.device, dtype=torch.float32)
+        dist.all_reduce(totals)  # the group's sums (its gradient shards are summed by FSDP's reduce-scatter)
+        params = list(self.model.parameters())
+        flat = torch.cat([(_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p))).reshape(-1)
+                          for p in params] + [totals])
+        self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()  # across the groups
+        offset = 0
+        for p in params:
+            local = flat[offset: offset + _local(p).numel()].view_as(_local(p))
+            offset += local.numel()
+            if p.grad is None:
+                from torch.distributed.tensor import DTensor
+
+                p.grad = DTensor.from_local(local.clone(), p.device_mesh, p.placements, run_check=False,
+                                            shape=p.shape, stride=p.stride())
+            else:
+                _local(p.grad).copy_(local)
+        self.normalise(plan.counts(len(self.model.layers)))
+        return StepResult(flat[-2].item() / max(flat[-1].item(), 1e-12), plan.samples())
+
+    # ------------------------------------------------------------------ agreement
+    def agreement(self) -> dict:
+        """The group's processes hold the same V1; the group's digest (every shard's) goes in the summary, where
+        the launcher compares the groups'."""
+        import torch.distributed as dist
+
+        digests = [None] * self.group.size
+        dist.all_gather_object(digests, self.digest(with_parameters=True))
+        bases = [d[:d[0] + 1] for d in digests]
+        self.group_digest = [x for d in digests for x in d]
+        return {"ranks_checked": [self.rank], "identical": all(b == bases[0] for b in bases)}
+
+    def summary_extras(self) -> dict:
+        return {"rank": self.rank, "group_size": self.group.size, "digest": self.group_digest}
+
+
+def _reshard(model: torch.nn.Module) -> None:
+    """Put the FSDP2 model's sharded parameters back in place: after a forward pass without backward (an
+    evaluation), the root module keeps its parameters gathered, whole, until its next backward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def _all_in_group(ok: bool, device: torch.device) -> bool:
+    """Whether ok holds in every process of this replica group (a collective of the group)."""
+    import torch.distributed as dist
+
+    flag = torch.tensor([int(ok)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def rows_of(piece: Piece, j: int, k: int) -> Piece | None:
+    """Process j's share of a piece's rows when a group of k processes computes it: contiguous, the first
+    (rows mod k) processes one row more (None: no row). A share of weight rows/b gives weight * grad of its
+    mean loss, so the shares' sum is the piece's."""
+    n = piece.stop - piece.start
+    start = piece.start + j * (n // k) + min(j, n % k)
+    stop = start + n // k + (1 if j < n % k else 0)
+    return Piece(piece.owner, piece.micro, start, stop, piece.batch, piece.techniques) if stop > start else None
+
+
+def _map_tensors(tree, fn):
+    if torch.is_tensor(tree):
+        return fn(tree)
+    if isinstance(tree, dict):
+        return {k: _map_tensors(v, fn) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_map_tensors(v, fn) for v in tree)
+    return tree
+
+
+@dataclass
+class Group:
+    """This process's replica group: its rank in the group, the group's size, the store the group's
+    processes and torchft's Manager meet at (its address as the other replicas reach it), and the store itself
+    where this process hosts it."""
+
+    rank: int
+    size: int
+    address: str
+    port: int
+    store: object = None
+
+
+def join_group(shard: str, device: torch.device) -> Group:
+    """The replica group this process belongs to. Started by mecefo.launch with --group_size K, or by torchrun:
+    RANK, WORLD_SIZE and the group's store at MASTER_ADDR:MASTER_PORT come from the environment (the address
+    other replicas reach the store at: MECEFO_FT_HOST if set). Alone (python -m mecefo.ft): a group of one
+    that hosts its own store on loopback. With --shard fsdp, the group's processes form the default process
+    group, over which FSDP2 shards the model."""
+    import torch.distributed as dist
+
+    size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    if "MASTER_PORT" in os.environ:
+        from torch.distributed import TCPStore
+
+        address = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = int(os.environ["MASTER_PORT"])
+        group = Group(rank, size, os.environ.get(HOST_ENV, "") or address, port,
+                      TCPStore(address, port, is_master=False, wait_for_workers=False,
+                               timeout=timedelta(seconds=JOIN_TIMEOUT_S)))
+    elif size == 1:
+        store = _store(*network())
+        group = Group(0, 1, network()[0], store.port, store)
+    else:
+        raise UsageError(f"WORLD_SIZE={size} without MASTER_PORT: a replica group of several processes is started by "
+                         "mecefo.launch --group_size or by torchrun")
+    if size > 1 and shard != "fsdp":
+        raise UsageError(f"a replica group of {size} processes shards the model: --shard fsdp (with --shard none a "
+                         "replica is one process)")
+    if shard == "fsdp" and not dist.is_initialized():
+        from torch.distributed import PrefixStore
+
+        try:
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=PrefixStore("mecefo/group", group.store),
+                                    rank=rank, world_size=size, timeout=timedelta(seconds=JOIN_TIMEOUT_S))
+        except (RuntimeError, TimeoutError) as e:
+            raise TrainingStopped(f"group rank {rank}: the {size} processes of its replica group did not all arrive "
+                                  f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from None
+    return group
 
 
 def network() -> tuple[str, str]:
@@ -287,8 +521,13 @@ def replica(cfg, out: Path, rank: int, lighthouse: str, min_step_s: float, wait_
     replicas behind then heal from a live peer)."""
     from .train import Run, resolve_device
 
-    training = Run(cfg, out, resolve_device(cfg.train.device), rank, quiet=False, run_dir=out, lighthouse=lighthouse,
-                   min_step_s=min_step_s, wait_for=wait_for, rejoin=rejoin)
+    device = resolve_device(cfg.train.device)
+    if device.type == "cuda" and torch.cuda.device_count() > 1:  # torchrun's processes of a group on one node
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    group = join_group(cfg.cluster.shard, device)
+    training = Run(cfg, out, device, rank, quiet=group.rank != 0, run_dir=out, lighthouse=lighthouse,
+                   min_step_s=min_step_s, wait_for=wait_for, rejoin=rejoin, group=group)
     try:
         start = training.start(resume=(out / "checkpoint.pt").exists())
         if start is not None:
@@ -309,6 +548,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rejoin", action="store_true", help="a restarted replica: heal from a live peer first")
     args = parser.parse_args(argv)
     out = Path(args.out)
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a group's process under torchrun: it dies with its torchrun
+        from .launch import _die_with_parent
+
+        _die_with_parent()
 
     def start() -> int:
         try:

@@ -10,7 +10,10 @@ for mecefo.train: a scenario at cluster.seconds_per_step, or a trace; a rank fai
 once step s is reached, and restarted at its recovery step) and from --kill R:S[:S2] (kill rank R at step
 S and, with S2, restart it once step S2 is committed) or --kill R:heal (kill rank R while it is healing,
 the next time it heals; it is restarted at once; the kill lands while it applies the state received from a peer: torchft calls our loader
-after the transfer). A restarted process heals from a live peer and rejoins. Every process started here is
+after the transfer). A restarted process heals from a live peer and rejoins. With --shard fsdp --group_size K
+each rank is a replica group of K processes sharding the model (mecefo.ft.FtShardedCluster): a kill takes the
+whole group (a node lost), --kill R/J:S[:S2] kills its process J only, and a group missing any process is
+taken down and restarted. Every process started here is
 killed on exit, Ctrl-C included. If every replica is dead at once, the run stops (exit 3) with the last
 checkpoint intact; `--resume` continues from it.
 
@@ -58,6 +61,7 @@ class Kill:
     restart_step: int | None  # restart once this step is committed (None: never)
     done: bool = False
     restarted: bool = False
+    process: int | None = None  # one process of the rank's replica group (None: the whole group)
 
 
 @dataclass
@@ -68,12 +72,14 @@ class Supervisor:
     kills: list[Kill]
     min_step_s: float
     quiet: bool = False
-    procs: dict = field(default_factory=dict)  # rank -> Popen
+    group_size: int = 1  # processes per replica group (--group_size)
+    procs: dict = field(default_factory=dict)  # rank -> its group's Popens
     events: list = field(default_factory=list)
     t0: float = field(default_factory=time.time)
     furthest: int = 0
     rejoining: set = field(default_factory=set)  # restarted ranks that have not trained yet
-    gpus: int = 0  # CUDA devices on this node (replicas are placed round-robin)
+    gpus: int = 0  # CUDA devices on this node (processes are placed round-robin)
+    stores: list = field(default_factory=list)  # the groups' stores (hosted here, on loopback)
 
     def log(self, msg: str, **event) -> None:
         if event:
@@ -82,29 +88,56 @@ class Supervisor:
             print(f"[launch {time.time() - self.t0:7.2f}s] {msg}", flush=True)
 
     def start(self, rank: int, why: str, wait_for: int = 1) -> None:
+        """Start rank's replica: one process, or with --group_size K a group of K meeting at a store hosted here."""
         atomic_write_text(self.out / "replicas" / f"rank{rank}.status", f"starting {time.time():.3f}\n")  # not the dead one's
-        log = open(self.out / "replicas" / f"rank{rank}.log", "a")
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                    RUST_LOG=os.environ.get("RUST_LOG", "warn"))
         if sys.platform == "linux":  # one node: gloo's sockets on the loopback too (it otherwise takes the hostname's)
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        if self.gpus and "CUDA_VISIBLE_DEVICES" not in os.environ:  # one GPU per replica on this node
-            env["CUDA_VISIBLE_DEVICES"] = str(rank % self.gpus)
-        extra = ["--rejoin"] if why != "initial" else ["--wait-for", str(wait_for)]
-        self.procs[rank] = subprocess.Popen(
-            [sys.executable, "-m", "mecefo.ft", "--out", str(self.out), "--replica", str(rank),
-             "--lighthouse", self.lighthouse, "--min-step-s", str(self.min_step_s)] + extra,
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=_die_with_parent)
-        log.close()  # the child holds its own descriptor
-        self.log(f"started rank {rank} (pid {self.procs[rank].pid}, {why})", kind="start", rank=rank, why=why,
-                 step=self.committed())
+        if self.group_size > 1 or self.cfg.cluster.shard == "fsdp":
+            from .ft import _store
 
-    def kill(self, rank: int, why: str) -> None:
-        proc = self.procs.pop(rank)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+            self.stores.append(_store("127.0.0.1", "127.0.0.1"))  # a fresh one per start: no key of a dead group
+            env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.stores[-1].port), "WORLD_SIZE": str(self.group_size)}
+        extra = ["--rejoin"] if why != "initial" else ["--wait-for", str(wait_for)]
+        group = []
+        for j in range(self.group_size):
+            if self.gpus and "CUDA_VISIBLE_DEVICES" not in os.environ:  # one GPU per process on this node
+                env["CUDA_VISIBLE_DEVICES"] = str((rank * self.group_size + j) % self.gpus)
+            log = open(self.out / "replicas" / _log_name(rank, j), "a")
+            group.append(subprocess.Popen(
+                [sys.executable, "-m", "mecefo.ft", "--out", str(self.out), "--replica", str(rank),
+                 "--lighthouse", self.lighthouse, "--min-step-s", str(self.min_step_s)] + extra,
+                stdout=log, stderr=subprocess.STDOUT, env=env | {"RANK": str(j), "LOCAL_RANK": str(j)},
+                start_new_session=True, preexec_fn=_die_with_parent))
+            log.close()  # the child holds its own descriptor
+        self.procs[rank] = group
+        self.log(f"started rank {rank} (pid {' '.join(str(p.pid) for p in group)}, {why})", kind="start", rank=rank,
+                 why=why, step=self.committed())
+
+    def kill(self, rank: int, why: str, process: int | None = None) -> None:
+        """SIGKILL rank's replica group (process None), or one process of it, which then takes the group down."""
+        if process is not None and len(self.procs[rank]) > 1:
+            self.procs[rank][process].send_signal(signal.SIGKILL)
+            self.procs[rank][process].wait()
+            self.log(f"killed process {process} of rank {rank} with SIGKILL at step {self.committed()} ({why})",
+                     kind="kill", rank=rank, process=process, why=why, step=self.committed())
+            return
+        for proc in self.procs.pop(rank):
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
         self.log(f"killed rank {rank} with SIGKILL at step {self.committed()} ({why})", kind="kill", rank=rank,
                  why=why, step=self.committed())
+
+    def take_down(self, rank: int, dead: int, code: int) -> None:
+        """A process of rank's group died of a signal: the group cannot go on without its shards, so its
+        other processes are killed too (a node lost); the kill plan, or else an immediate restart, brings it back."""
+        for proc in self.procs.pop(rank):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+        what = f"process {dead} died (signal {-code}); its group killed" if self.group_size > 1 else f"killed by signal {-code}"
+        self.log(f"rank {rank} down: {what}", kind="down", rank=rank, process=dead, step=self.committed())
 
     def committed(self) -> int:
         """The highest step any replica has committed (from the replicas' status files)."""
@@ -141,7 +174,7 @@ class Supervisor:
             for k in self.kills:
                 if not k.done and k.rank in self.procs and (
                         (k.at_step is not None and step >= k.at_step) or (k.at_step is None and self.healing(k.rank))):
-                    self.kill(k.rank, "while healing" if k.at_step is None else f"scheduled at step {k.at_step}")
+                    self.kill(k.rank, "while healing" if k.at_step is None else f"scheduled at step {k.at_step}", k.process)
                     k.done = True
                 if (k.done and not k.restarted and k.restart_step is not None and step >= k.restart_step
                         and k.rank not in self.procs):
@@ -149,13 +182,20 @@ class Supervisor:
                         self.start(k.rank, "restart after a kill")
                         self.rejoining.add(k.rank)
                     k.restarted = True
-            for r, proc in list(self.procs.items()):
-                code = proc.poll()
-                if code is not None:
+            for r, group in list(self.procs.items()):
+                codes = [proc.poll() for proc in group]
+                killed = [j for j, code in enumerate(codes) if code is not None and code < 0]
+                if killed:  # a process of the group died of a signal (ours, or anyone's): the group is down
+                    self.take_down(r, killed[0], codes[killed[0]])
+                    if not any(k.rank == r and k.done and not k.restarted for k in self.kills):  # nobody plans its
+                        self.kills.append(Kill(r, None, 0, done=True))  # return: restarted at once, as a node replaced
+                    continue
+                for j, code in enumerate(codes):
+                    if code is not None and code != 0:  # not one of ours (ours are removed from procs before the SIGKILL)
+                        self.log(f"rank {r} exited with status {code}", kind="exit", rank=r, process=j, code=code)
+                        self.stop_with(r, code, j)  # bad input, a non-finite loss, a crash: the others would follow
+                if all(code == 0 for code in codes):
                     del self.procs[r]
-                    if code != 0:  # not one of ours (ours are removed from procs before the SIGKILL)
-                        self.log(f"rank {r} exited with status {code}", kind="exit", rank=r, code=code)
-                        self.stop_with(r, code)  # bad input, a non-finite loss, a crash: the others would follow
             self.rejoining = {r for r in self.rejoining if r in self.procs and not self.training(r)}
             if not set(self.procs) - self.rejoining:  # nobody left who trains (a restarted one cannot heal)
                 if self.committed() >= steps:
@@ -166,10 +206,10 @@ class Supervisor:
                     f"checkpoint in {self.out} is intact (if train.checkpoint_every wrote one); continue with --resume")
             time.sleep(POLL_S)
 
-    def stop_with(self, rank: int, code: int) -> None:
+    def stop_with(self, rank: int, code: int, process: int = 0) -> None:
         """Stop the run with the one line the replica stopped with: its log's 'error: ' line (bad input, exit 2),
         its 'stopped: ' line (exit 3), or for anything else (a crash) its last line and where its log is."""
-        log = self.out / "replicas" / f"rank{rank}.log"
+        log = self.out / "replicas" / _log_name(rank, process)
         lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
         if code in (BAD_INPUT, CANNOT_GO_ON):
             prefix, error = ("error: ", UsageError) if code == BAD_INPUT else ("stopped: ", TrainingStopped)
@@ -180,10 +220,16 @@ class Supervisor:
                               f"{self.out} is intact, --resume continues")
 
     def stop(self) -> None:
-        for r, proc in list(self.procs.items()):
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
+        for group in self.procs.values():
+            for proc in group:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
         self.procs.clear()
+
+
+def _log_name(rank: int, process: int) -> str:
+    """A replica's log: rank<r>.log, and rank<r>.<j>.log for process j > 0 of its group."""
+    return f"rank{rank}.log" if process == 0 else f"rank{rank}.{process}.log"
 
 
 def _die_with_parent() -> None:
@@ -197,9 +243,12 @@ def _die_with_parent() -> None:
         pass
 
 
-def kill_plan(schedule: failures.Schedule, explicit: list[str], n: int) -> tuple[list[Kill], frozenset[int]]:
+def kill_plan(schedule: failures.Schedule, explicit: list[str], n: int,
+              group_size: int = 1) -> tuple[list[Kill], frozenset[int]]:
     """Kills from the schedule's failed sets (a rank failed at step s is killed once s steps are committed,
-    restarted at its recovery step), then the explicit --kill specs. Returns them and the ranks down at 0."""
+    restarted at its recovery step: its whole replica group, a node lost), then the explicit --kill specs
+    (RANK/PROCESS: one process of the group, which takes the group down). Returns them and the ranks down
+    at 0."""
     kills = []
     failed = schedule.failed
     for s in range(1, len(failed)):
@@ -213,17 +262,21 @@ def kill_plan(schedule: failures.Schedule, explicit: list[str], n: int) -> tuple
     for spec in explicit:
         parts = spec.split(":")
         try:
-            rank = int(parts[0])
+            who, _, process = parts[0].partition("/")
+            rank = int(who)
             if len(parts) == 2 and parts[1] == "heal":
                 kills.append(Kill(rank, None, 0))
             elif len(parts) in (2, 3):
                 kills.append(Kill(rank, int(parts[1]), int(parts[2]) if len(parts) == 3 else None))
             else:
                 raise ValueError
+            kills[-1].process = int(process) if process else None
         except ValueError:
-            raise UsageError(f"--kill {spec!r}: expected RANK:STEP[:RESTART_STEP] or RANK:heal") from None
+            raise UsageError(f"--kill {spec!r}: expected RANK[/PROCESS]:STEP[:RESTART_STEP] or RANK[/PROCESS]:heal") from None
         if not 0 <= rank < n:
             raise UsageError(f"--kill {spec!r}: rank must be in 0..{n - 1}")
+        if kills[-1].process is not None and not 0 <= kills[-1].process < group_size:
+            raise UsageError(f"--kill {spec!r}: the process must be in 0..{group_size - 1} (--group_size {group_size})")
         k = kills[-1]
         if k.at_step is not None and (k.at_step < 1 or (k.restart_step is not None and k.restart_step <= k.at_step)):
             raise UsageError(f"--kill {spec!r}: STEP must be at least 1 and RESTART_STEP after it")
@@ -320,7 +373,10 @@ def main(argv: list[str] | None = None, restore_signals: bool = True) -> int:
     parser.add_argument("--config")
     parser.add_argument("--out", required=True)
     parser.add_argument("--kill", action="append", default=[],
-                        help="RANK:STEP (killed for good), RANK:STEP:RESTART_STEP, or RANK:heal (killed while healing, restarted)")
+                        help="RANK:STEP (killed for good), RANK:STEP:RESTART_STEP, or RANK:heal (killed while healing, restarted); "
+                             "RANK/PROCESS:...: one process of the rank's replica group (the group goes down with it)")
+    config_mod.add_flag(parser, "group-size", type=int, default=1,
+                        help="processes per replica group, FSDP2 sharding the model among them (needs --shard fsdp)")
     config_mod.add_flag(parser, "min-step-s", type=float, default=0.0, help="pace steps to at least this long (so kills land)")
     parser.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt")
     parser.add_argument("--prepare", action="store_true",
@@ -356,15 +412,18 @@ def main(argv: list[str] | None = None, restore_signals: bool = True) -> int:
             if not (math.isfinite(args.min_step_s) and args.min_step_s >= 0):
                 raise UsageError(f"--min_step_s {args.min_step_s} must be a finite, non-negative number of seconds")
             cc = cfg.cluster
+            if args.group_size < 1 or (args.group_size > 1 and cc.shard != "fsdp"):
+                raise UsageError(f"--group_size {args.group_size}: a group of several processes shards the model, with "
+                                 "--shard fsdp" if args.group_size > 1 else f"--group_size {args.group_size} must be at least 1")
             from .data import TokenData  # the token cache, built once here rather than by every replica
             from .model import preset
             from .train import check_memory, resolve_device
 
             device = resolve_device(cfg.train.device)
             check_memory(cfg, preset(cfg.model.preset, vocab_size=TokenData(cfg.data).vocab_size), device,
-                         cfg.data.micro_batch_size, processes=cc.ranks if device.type == "cpu" else 1)
+                         cfg.data.micro_batch_size, processes=cc.ranks * args.group_size if device.type == "cpu" else 1)
             schedule = failures.for_run(cfg)
-            kills, down0 = kill_plan(schedule, args.kill, cc.ranks)
+            kills, down0 = kill_plan(schedule, args.kill, cc.ranks, args.group_size)
             start_step = 0
             if args.resume:
                 start_step = resume_point(out, cfg)
@@ -379,8 +438,10 @@ def main(argv: list[str] | None = None, restore_signals: bool = True) -> int:
                 p.unlink()
             atomic_write_json(out / "config.json", {"config_hash": cfg.hash(), "config": cfg.to_dict()})
             if args.prepare:
+                starter = ("python -m mecefo.ft" if cc.shard != "fsdp" else
+                           f"torchrun --nproc_per_node {args.group_size} --master_addr $(hostname) --master_port PORT_R -m mecefo.ft")
                 print(f"prepared {out}: on each node, for each of its ranks R, with N = {cc.ranks - len(down0)} ranks up "
-                      f"at step 0:\n  MECEFO_FT_HOST=$(hostname) python -m mecefo.ft --out {out} --replica R "
+                      f"at step 0:\n  MECEFO_FT_HOST=$(hostname) {starter} --out {out} --replica R "
                       f"--lighthouse http://LIGHTHOUSE_HOST:29510 --wait_for N\n(a restarted rank adds --rejoin); then "
                       f"python -m mecefo.launch --out {out} --merge", flush=True)
                 return 0
@@ -390,7 +451,8 @@ def main(argv: list[str] | None = None, restore_signals: bool = True) -> int:
             lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=JOIN_TIMEOUT_MS, quorum_tick_ms=20,
                                           heartbeat_timeout_ms=1000)
             address = f"http://127.0.0.1:{urllib.parse.urlparse(lighthouse.address()).port}"  # (it names the host)
-            supervisor = Supervisor(cfg, out, address, kills, args.min_step_s, args.quiet, furthest=start_step)
+            supervisor = Supervisor(cfg, out, address, kills, args.min_step_s, args.quiet, furthest=start_step,
+                                    group_size=args.group_size)
             import torch
 
             if cfg.train.device in ("auto", "cuda") and torch.cuda.is_available():
