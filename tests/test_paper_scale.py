@@ -166,8 +166,8 @@ def test_torch_backend_tracks_grad_error_like_local_and_reuses_a_finished_run(tm
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["mecefo", "spread-mecefo"])
 def test_fsdp_sharded_and_unsharded_runs_end_with_equal_parameters(tmp_path, policy):
-    """nano on 4 gloo ranks over failures of ranks 1 and 0; sharded vs unsharded, and runs stopped at step 5
-    (rank 1 down) and resumed, each bit-identical to its uninterrupted twin."""
+    """nano on 4 gloo ranks over failures of ranks 1 and 0; sharded vs unsharded, and (mecefo) runs stopped at
+    step 5 (rank 1 down) and resumed, each bit-identical to its uninterrupted twin."""
     trace = tmp_path / "trace.csv"
     trace.write_text(TRACE)
     args = NANO + ["--steps", "10", "--eval_every", "5", "--failures", str(trace), "--seconds_per_step", "1",
@@ -175,14 +175,18 @@ def test_fsdp_sharded_and_unsharded_runs_end_with_equal_parameters(tmp_path, pol
     runs = (("plain", []), ("fsdp", ["--shard", "fsdp"]),
             ("resumed", ["--shard", "fsdp", "--stop-after", "5"]), ("resumed", ["--shard", "fsdp", "--resume"]),
             ("plain-resumed", ["--stop-after", "5"]), ("plain-resumed", ["--resume"]))
-    for out, extra in runs:
+    resumes = policy == "mecefo"  # (the resumes do not depend on the policy: one policy checks them)
+    for out, extra in runs if resumes else runs[:2]:
         proc = torchrun(4, args + extra + ["--out", str(tmp_path / out)])
         assert proc.returncode == 0, proc.stderr[-3000:]
-    plain, fsdp, resumed, plain_resumed = (model_params(tmp_path / k) for k in ("plain", "fsdp", "resumed", "plain-resumed"))
+    plain, fsdp = model_params(tmp_path / "plain"), model_params(tmp_path / "fsdp")
     for name in plain:
         assert torch.allclose(plain[name], fsdp[name], atol=1e-5, rtol=1e-4), name
-        assert torch.equal(fsdp[name], resumed[name]), name
-        assert torch.equal(plain[name], plain_resumed[name]), name  # rank 0 reads, the others receive
+    if resumes:
+        resumed, plain_resumed = model_params(tmp_path / "resumed"), model_params(tmp_path / "plain-resumed")
+        for name in plain:
+            assert torch.equal(fsdp[name], resumed[name]), name
+            assert torch.equal(plain[name], plain_resumed[name]), name  # rank 0 reads, the others receive
     summary = json.loads((tmp_path / "fsdp" / "summary.json").read_text())
     assert summary["rank_agreement"]["identical"]
 
