@@ -214,6 +214,11 @@ class Backend:
         return cfg.data.micro_batch_size
 
     @classmethod
+    def shards(cls, cfg) -> int:
+        """Processes sharing the model's shards under shard='fsdp' (the torch backend: every rank)."""
+        return cfg.cluster.ranks
+
+    @classmethod
     def open_data(cls, cfg, main: bool):
         from .data import TokenData
 
@@ -643,6 +648,8 @@ def add_low_rank_rows(model, lowrank: LowRankWgrad, plan: StepPlan, shard: int, 
     for m, shape in zip(linears, shapes):
         factor = flat[offset: offset + shape[0] * shape[1]].view(shape)
         offset += factor.numel()
+        if m.weight.grad is None:  # no piece at all for these processes: their factors are 0
+            continue
         local = m.weight.grad.to_local()
         chunks = factor.chunk(n_shards, dim=0)
         rows = chunks[shard] if shard < len(chunks) else factor[:0]

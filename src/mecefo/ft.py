@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -146,8 +147,8 @@ class FtCluster(Backend):
                                       f"{what} at the lighthouse {self.lighthouse}; "
                                       f"{self.manager.num_participants()} there")
             self.quorum()
-            if self.rejoin:  # healed, or in a quorum with peers at its own step (torchft heals only those behind)
-                if self.healed_at is not None or (self.manager.num_participants() > 1 and self.manager.is_participating()):
+            if self.rejoin:
+                if self.rejoined():
                     return True
             elif self.manager.num_participants() >= self.wait_for:
                 return True
@@ -156,6 +157,11 @@ class FtCluster(Backend):
             if self.run_finished():
                 return False
             time.sleep(0.05)
+
+    def rejoined(self) -> bool:
+        """A restarted replica is back: healed, or in a quorum with peers at its own step (torchft heals only
+        those behind)."""
+        return self.healed_at is not None or (self.manager.num_participants() > 1 and self.manager.is_participating())
 
     def close(self) -> None:
         if self.manager is not None:
@@ -288,6 +294,31 @@ class FtShardedCluster(FtCluster):
 
     def run_finished(self) -> bool:
         return not _all_in_group(not super().run_finished(), self.device)  # one answer for the group
+
+    def rejoined(self) -> bool:
+        """Every process of the group is back (torchft spreads the heal sources over the group's ranks: one
+        transfer can fail while the others succeed). A group half healed holds no one state: it kills itself,
+        and the launcher restarts it."""
+        mine = super().rejoined() and self.manager.errored() is None
+        if _all_in_group(mine, self.device):
+            return True
+        if not _all_in_group(not mine, self.device):
+            print(f"rank {self.rank}: some processes of the group healed and some did not; the group restarts", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return False
+
+    def abort(self) -> bool:
+        """As FtCluster's, with the group's answer: void if any of its processes saw a peer fail (its shard of
+        the exchange, and so the group's gradient norm, are not the step's)."""
+        void = not _all_in_group(self.manager.errored() is None, self.device)
+        if not void:
+            self.manager.report_error(RuntimeError("non-finite loss"))
+        self.manager.should_commit()
+        return void
+
+    @classmethod
+    def shards(cls, cfg) -> int:
+        return int(os.environ.get("WORLD_SIZE", "1"))  # the group's processes
 
     def failed(self, step: int, schedule) -> frozenset[int] | None:
         """The quorum's failed set, or None for the whole group if any of its processes saw a peer fail during
@@ -528,8 +559,11 @@ def replica(cfg, out: Path, rank: int, lighthouse: str, min_step_s: float, wait_
     group = join_group(cfg.cluster.shard, device)
     training = Run(cfg, out, device, rank, quiet=group.rank != 0, run_dir=out, lighthouse=lighthouse,
                    min_step_s=min_step_s, wait_for=wait_for, rejoin=rejoin, group=group)
+    resume = (out / "checkpoint.pt").exists()
+    if cfg.cluster.shard == "fsdp":  # one answer for the group (another group may be writing the first checkpoint)
+        resume = _all_in_group(resume, device)
     try:
-        start = training.start(resume=(out / "checkpoint.pt").exists())
+        start = training.start(resume=resume)
         if start is not None:
             training.train(start, cfg.train.steps)
             training.summary()

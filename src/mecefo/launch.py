@@ -54,6 +54,12 @@ POLL_S = 0.02
 JOIN_TIMEOUT_MS = int(os.environ.get("MECEFO_FT_LIGHTHOUSE_JOIN_MS", "20000"))
 
 
+# what a replica must not inherit from the launcher's environment: a caller's torchrun (its store and ranks) or
+# MECEFO_FT_HOST (the launcher runs one node: everything on the loopback)
+INHERITED_NOT = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                 "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "MECEFO_FT_HOST")
+
+
 @dataclass
 class Kill:
     rank: int
@@ -79,7 +85,7 @@ class Supervisor:
     furthest: int = 0
     rejoining: set = field(default_factory=set)  # restarted ranks that have not trained yet
     gpus: int = 0  # CUDA devices on this node (processes are placed round-robin)
-    stores: list = field(default_factory=list)  # the groups' stores (hosted here, on loopback)
+    stores: dict = field(default_factory=dict)  # rank -> its group's store (hosted here, on loopback)
 
     def log(self, msg: str, **event) -> None:
         if event:
@@ -90,15 +96,16 @@ class Supervisor:
     def start(self, rank: int, why: str, wait_for: int = 1) -> None:
         """Start rank's replica: one process, or with --group_size K a group of K meeting at a store hosted here."""
         atomic_write_text(self.out / "replicas" / f"rank{rank}.status", f"starting {time.time():.3f}\n")  # not the dead one's
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-                   RUST_LOG=os.environ.get("RUST_LOG", "warn"))
+        env = {k: v for k, v in os.environ.items() if k not in INHERITED_NOT}  # not a caller's torchrun's, nor
+        env |= {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),   # an opening of the servers: one node
+                "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
         if sys.platform == "linux":  # one node: gloo's sockets on the loopback too (it otherwise takes the hostname's)
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         if self.group_size > 1 or self.cfg.cluster.shard == "fsdp":
             from .ft import _store
 
-            self.stores.append(_store("127.0.0.1", "127.0.0.1"))  # a fresh one per start: no key of a dead group
-            env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.stores[-1].port), "WORLD_SIZE": str(self.group_size)}
+            self.stores[rank] = _store("127.0.0.1", "127.0.0.1")  # a fresh one per start: no key of a dead group
+            env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.stores[rank].port), "WORLD_SIZE": str(self.group_size)}
         extra = ["--rejoin"] if why != "initial" else ["--wait-for", str(wait_for)]
         group = []
         for j in range(self.group_size):
@@ -112,6 +119,9 @@ class Supervisor:
                 start_new_session=True, preexec_fn=_die_with_parent))
             log.close()  # the child holds its own descriptor
         self.procs[rank] = group
+        for k in self.kills:  # every earlier kill of the rank is answered by this start
+            if k.rank == rank and k.done:
+                k.restarted = True
         self.log(f"started rank {rank} (pid {' '.join(str(p.pid) for p in group)}, {why})", kind="start", rank=rank,
                  why=why, step=self.committed())
 
@@ -421,7 +431,14 @@ def main(argv: list[str] | None = None, restore_signals: bool = True) -> int:
 
             device = resolve_device(cfg.train.device)
             check_memory(cfg, preset(cfg.model.preset, vocab_size=TokenData(cfg.data).vocab_size), device,
-                         cfg.data.micro_batch_size, processes=cc.ranks * args.group_size if device.type == "cpu" else 1)
+                         cfg.data.micro_batch_size, processes=cc.ranks * args.group_size if device.type == "cpu" else 1,
+                         shards=args.group_size)
+            import torch
+
+            gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+            if gpus and args.group_size > 1 and cc.ranks * args.group_size > gpus:
+                raise UsageError(f"{cc.ranks} ranks x --group_size {args.group_size} processes need as many GPUs on this "
+                                 f"node (NCCL cannot share one between processes of a group); it has {gpus}")
             schedule = failures.for_run(cfg)
             kills, down0 = kill_plan(schedule, args.kill, cc.ranks, args.group_size)
             start_step = 0
@@ -453,10 +470,7 @@ def main(argv: list[str] | None = None, restore_signals: bool = True) -> int:
             address = f"http://127.0.0.1:{urllib.parse.urlparse(lighthouse.address()).port}"  # (it names the host)
             supervisor = Supervisor(cfg, out, address, kills, args.min_step_s, args.quiet, furthest=start_step,
                                     group_size=args.group_size)
-            import torch
-
-            if cfg.train.device in ("auto", "cuda") and torch.cuda.is_available():
-                supervisor.gpus = torch.cuda.device_count()
+            supervisor.gpus = gpus
             for sig in signals:  # Ctrl-C, a closed terminal, a scheduler's stop: all end the launch the same way (and
                 signal.signal(sig, _interrupt)  # SIGINT too where it was inherited ignored, as in a background job)
             supervisor.run(down0)

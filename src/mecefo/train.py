@@ -88,15 +88,16 @@ def apply_update(optimizer: torch.optim.Optimizer, lr: float) -> None:
     optimizer.step()
 
 
-def check_memory(cfg: Config, model_cfg, device: torch.device, rows_per_pass: int, processes: int | None = None) -> None:
+def check_memory(cfg: Config, model_cfg, device: torch.device, rows_per_pass: int, processes: int | None = None,
+                 shards: int | None = None) -> None:
     """Refuse, before anything is allocated, a run whose step cannot fit: mecefo.costs.training_memory of one
     pass of rows_per_pass sequences (the local backend runs every rank's micro-batch i in one pass) against
     the device's memory (a CPU's shared by the processes started on it: torchrun's LOCAL_WORLD_SIZE unless
-    `processes` says)."""
+    `processes` says), the model split over `shards` processes under FSDP (default: the ranks)."""
     from .costs import training_memory
 
     cc, dc = cfg.cluster, cfg.data
-    need = training_memory(model_cfg, Shape(rows_per_pass, dc.seq_len), cc.ranks, cc.shard,
+    need = training_memory(model_cfg, Shape(rows_per_pass, dc.seq_len), shards or cc.ranks, cc.shard,
                            Techniques.parse(cc.techniques), cc.r)["total"]
     if device.type == "cuda":
         have = torch.cuda.get_device_properties(device).total_memory
@@ -241,7 +242,7 @@ class Run:
         backend = backend_class(cc)
         self.data = backend.open_data(cfg, rank == 0)
         self.model_cfg = preset(cfg.model.preset, vocab_size=self.data.vocab_size)
-        check_memory(cfg, self.model_cfg, device, backend.rows_per_pass(cfg))
+        check_memory(cfg, self.model_cfg, device, backend.rows_per_pass(cfg), shards=backend.shards(cfg))
         self.model = backend.build_model(self.model_cfg, device, tc.seed)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.schedule = failures.for_run(cfg)
