@@ -40,6 +40,8 @@ step "cluster-scale throughput simulation (the paper's Table 2, its hypotheses, 
 python -m experiments.throughput $quick
 python -m experiments.hypotheses $quick
 python -m experiments.table2 $quick   # the words and derived tables of Table 2, decided from the two above
+step "goodput: quality-equivalent steps x simulated throughput, every policy (failure-free runs of other lengths)"
+python -m experiments.goodput $quick
 
 step "analysis: bias and variance, Assumption 3 along training, the O(1/sqrt(nT)) rate"
 python -m analysis.bias_variance $quick
@@ -55,6 +57,7 @@ python -m paper_figures.svd_accuracy $quick
 python -m paper_figures.sweep $quick
 if [ -n "$quick$long" ]; then python -m paper_figures.variance $quick; fi
 python -m paper_figures.throughput $quick
+python -m paper_figures.goodput $quick
 python -m paper_figures.bias_variance $quick
 python -m paper_figures.grad_error $quick
 python -m paper_figures.rate $quick
