@@ -10,8 +10,10 @@ learning-rate schedule: a shorter run is a real shorter run), on each seed of th
 cells, give the final validation loss as a function of the length S. Per seed we fit
         L(S) = a + b ln S        (least squares over the lengths; the residuals are recorded)
 and a run under failures with final validation loss l is worth S* = exp((l - a) / b) failure-free steps
-(S* outside the lengths trained is extrapolated, and flagged). Its quality per trained token is
-        q = S* x (tokens per failure-free step) / (tokens it trained),
+(S* outside the lengths trained is extrapolated, and flagged); measured against the same seed's failure-free
+run of the same length S (loss l_ff, so that the fit's own error at S cancels), the fraction of its steps it
+is worth is S*(l) / S*(l_ff), and its quality per trained token
+        q = S*(l) / S*(l_ff) x (tokens a failure-free run of S steps trains) / (tokens it trained),
 so that a policy that drops samples (drop) is not charged twice: the simulator's throughput counts trained
 tokens only. Exact policies (the registry's `exact`) train every sample exactly: q = 1 by construction, and
 they are not trained here.
@@ -19,9 +21,13 @@ they are not trained here.
 Effective throughput. G = (simulated trained tokens/s under the failures / failure-free tokens/s) x q, the
 share of the failure-free job's progress a policy keeps (an ETTR-style ratio); time to the failure-free
 run's quality is 1/G times the failure-free time. The quality is measured on our CPU model, the
-throughput simulated for the paper's jobs: the combination assumes that q, measured at the same failure
-level (the same failed fraction), carries over from the small model to the paper's. The sensitivity
-columns are G at the ends of q's 95% interval over seeds.
+throughput simulated for the paper's jobs: the combination assumes that q, measured at the same Table 1
+level, carries over from the small model to the paper's. The levels are the same, the failed fractions are
+not quite (the CPU runs start failing after a 100-step failure-free warm start; the simulator is in steady
+state), nor is what a failure costs a policy (drop on 7B's 4 pipeline stages loses a whole replica's samples
+per failed GPU; on the CPU a rank is one GPU): the report says both. The bracketed G is its range over q's
+95% interval over seeds and the throughput's over the simulator's seeds; a policy "leads" a level when the
+low end of its range is above the high end of every other policy's.
 
 Scale. The simulator's scaling experiment (llama-7b, 4 stages, 32 to 100k GPUs at Llama 3's rate) gives the
 throughput kept; q there is interpolated in the run's failed fraction between failure-free (q = 1) and the
@@ -39,7 +45,7 @@ from tqdm import tqdm
 
 from mecefo import config as config_mod
 from mecefo import failures, policies
-from mecefo.errors import guarded
+from mecefo.errors import UsageError, guarded
 from mecefo.records import atomic_write_json, git_commit
 from mecefo.results import RESULTS, measurement, profile, quick_flag, read_measurement, run_dir
 from mecefo.simulator import ci95
@@ -101,15 +107,19 @@ def quality(index: dict, curves: dict[int, dict]) -> dict:
     for cell in index["cells"]:
         if cell["tag"] != "main" or cell["n"] != n or cell["level"] not in LEVELS or "error" in cell:
             continue
+        if cell["seed"] not in curves:
+            raise UsageError(f"seed {cell['seed']} of {cell['policy']} at {cell['level']} has no failure-free runs; "
+                             "rerun python -m experiments.sweep for this profile")
         summary = json.loads((RESULTS / cell["run"] / "summary.json").read_text())
         curve = curves[cell["seed"]]
         s_star = equivalent_steps(curve, summary["final_val_loss"])
+        own = equivalent_steps(curve, curve["full_loss"])  # the seed's failure-free run of the same length
         steps = summary["steps"]
         entry = per.setdefault((cell["policy"], cell["level"]), {"seeds": [], "steps_fraction": [], "q": [],
                                                                   "failed_fraction": [], "extrapolated": False})
         entry["seeds"].append(cell["seed"])
-        entry["steps_fraction"].append(s_star / steps)
-        entry["q"].append(s_star * summary["tokens_seen"] / steps / summary["tokens_trained"])
+        entry["steps_fraction"].append(s_star / own)
+        entry["q"].append(s_star / own * summary["tokens_seen"] / summary["tokens_trained"])
         entry["failed_fraction"].append(summary["failure_schedule"]["fraction_failed"])
         entry["extrapolated"] |= not min(curve["lengths"]) <= s_star <= max(curve["lengths"])
     out: dict = {}
@@ -134,16 +144,20 @@ def effective(throughput: dict, measured: dict) -> dict:
     out = {}
     for model, row in throughput["table2"].items():
         reference = row["none"][REFERENCE]["mean"]
-        out[model] = {"failure_free_tok_s": reference, "levels": {}}
+        simulated = [p for p in policies.simulator_policies() if all(p in row[lv] for lv in ("none", *LEVELS))]
+        out[model] = {"failure_free_tok_s": reference, "levels": {},
+                      "failure_free_kept": {p: row["none"][p]["mean"] / reference for p in simulated},
+                      "not_simulated": [p for p in policies.simulator_policies() if p not in simulated]}
         for level in LEVELS:
             cells = {}
-            for policy in policies.simulator_policies():
+            for policy in simulated:
                 kept = row[level][policy]["mean"] / reference
                 kept_ci = [c / reference for c in row[level][policy]["ci95"]]
                 q = quality_of(policy, level, measured)
                 cell = {"tok_s": row[level][policy]["mean"], "kept": kept, "kept_ci95": kept_ci, "q": q}
                 if q is not None:
                     cell |= {"goodput": kept * q["mean"], "goodput_q_range": [kept * c for c in q["ci95"]],
+                             "goodput_range": [kept_ci[0] * q["ci95"][0], kept_ci[1] * q["ci95"][1]],
                              "effective_tok_s": row[level][policy]["mean"] * q["mean"],
                              "time_to_quality": 1 / (kept * q["mean"])}
                 cells[policy] = cell
@@ -151,20 +165,19 @@ def effective(throughput: dict, measured: dict) -> dict:
     return out
 
 
+def leaders(cells: dict) -> dict:
+    """The policy of highest G; the runner-up and how far ahead; `leads`: the low end of its range above the
+    high end of every other policy's (else `tied`: those whose ranges reach the leader's low end)."""
+    ranked = sorted((p for p in cells if "goodput" in cells[p]), key=lambda p: -cells[p]["goodput"])
+    best, second = ranked[0], ranked[1]
+    tied = [p for p in ranked[1:] if cells[p]["goodput_range"][1] >= cells[best]["goodput_range"][0]]
+    return {"best": best, "second": second, "ahead": cells[best]["goodput"] / cells[second]["goodput"] - 1,
+            "leads": not tied, "tied": tied, "not_measured": [p for p in cells if "goodput" not in cells[p]]}
+
+
 def winners(eff: dict) -> dict:
-    """Per job and level: the policy of highest G, the runner-up, how far ahead, and whether the leader's
-    G at the low end of its q interval still beats the runner-up's at its high end."""
-    out = {}
-    for model, m in eff.items():
-        out[model] = {}
-        for level, cells in m["levels"].items():
-            ranked = sorted((p for p in cells if "goodput" in cells[p]), key=lambda p: -cells[p]["goodput"])
-            best, second = ranked[0], ranked[1]
-            out[model][level] = {"best": best, "second": second,
-                                 "ahead": cells[best]["goodput"] / cells[second]["goodput"] - 1,
-                                 "decided": cells[best]["goodput_q_range"][0] > cells[second]["goodput_q_range"][1],
-                                 "not_measured": [p for p in cells if "goodput" not in cells[p]]}
-    return out
+    """Per job and level: leaders()."""
+    return {model: {level: leaders(cells) for level, cells in m["levels"].items()} for model, m in eff.items()}
 
 
 def at_scale(throughput: dict, measured: dict, base_cfg) -> dict:
@@ -183,12 +196,22 @@ def at_scale(throughput: dict, measured: dict, base_cfg) -> dict:
             xs = [0.0] + [x for x, _ in points]
             q[policy] = {"mean": float(np.interp(fraction, xs, [1.0] + [v["mean"] for _, v in points])),
                          "ci95": [float(np.interp(fraction, xs, [1.0] + [v["ci95"][i] for _, v in points])) for i in (0, 1)]}
+    # the scaling experiment's ratios are against each policy's own failure-free run: put them on the failure-free
+    # job's (REFERENCE's) with each policy's failure-free overhead in Table 2's 7B job (e.g. Bamboo's redundancy)
+    own = throughput["table2"]["llama-7b"]["none"]
     sizes = {}
     for gpus, cells in throughput["scaling"]["results"].items():
-        sizes[gpus] = {p: {"kept": c["retained"], "kept_ci95": c["ci95"], "q": q.get(p),
-                           **({"goodput": c["retained"] * q[p]["mean"],
-                               "goodput_q_range": [c["retained"] * x for x in q[p]["ci95"]]} if p in q else {})}
-                       for p, c in cells.items() if p in policies.simulator_policies()}
+        sizes[gpus] = {}
+        for p, c in cells.items():
+            if p not in policies.simulator_policies() or p not in own:
+                continue
+            base = own[p]["mean"] / own[REFERENCE]["mean"]
+            kept, kept_ci = c["retained"] * base, [x * base for x in c["ci95"]]
+            sizes[gpus][p] = {"kept": kept, "kept_ci95": kept_ci, "failure_free_kept": base, "q": q.get(p)}
+            if p in q:
+                sizes[gpus][p] |= {"goodput": kept * q[p]["mean"], "goodput_q_range": [kept * x for x in q[p]["ci95"]],
+                                   "goodput_range": [kept_ci[0] * q[p]["ci95"][0], kept_ci[1] * q[p]["ci95"][1]]}
+        sizes[gpus] = {"policies": sizes[gpus], "leaders": leaders(sizes[gpus])}
     return {"scenario": sc, "run_failed_fraction": fraction, "q": q, "sizes": sizes}
 
 
@@ -198,25 +221,31 @@ def main(argv: list[str] | None = None) -> int:
     index = json.loads((RESULTS / "sweep" / f"index-{prof}.json").read_text()) if (
         RESULTS / "sweep" / f"index-{prof}.json").exists() else None
     if index is None:
-        from mecefo.errors import UsageError
-
         raise UsageError(f"no results/sweep/index-{prof}.json; run python -m experiments.sweep{' --quick' if quick else ''} first")
     throughput = read_measurement("throughput", "throughput", quick, "experiments.throughput")
     points = failure_free_curves(prof)
-    curves = {seed: fit(p) | {"points": p} for seed, p in points.items()}
+    curves = {seed: fit(p) | {"points": p, "full_loss": p[-1]["val_loss"]} for seed, p in points.items()}
     measured = quality(index, curves)
     eff = effective(throughput, measured)
     d = sweep.DESIGNS[prof]
     base_cfg = sweep.cell_config(d.base, sweep.Cell(d.n, "none", "none", 0))
+    compared = {lv: {"cpu_failed_fraction": float(np.mean([measured[p][lv]["failed_fraction"] for p in measured if lv in measured[p]])),
+                     "simulated_failed_fraction": failures.SCENARIOS[lv].expected_failed_fraction(),
+                     "drop_samples_lost_cpu": 1 - measured["drop"][lv]["steps_fraction"]["mean"] / measured["drop"][lv]["q"]["mean"]
+                     if lv in measured.get("drop", {}) else None,
+                     "drop_samples_lost_7b": 1 - eff["llama-7b"]["levels"][lv]["drop"]["kept"] if "drop" in eff["llama-7b"]["levels"][lv] else None}
+                for lv in LEVELS}
     result = {"profile": prof, "n": d.n, "curves": {str(k): v for k, v in curves.items()}, "quality": measured,
+              "comparability": compared,
               "effective": eff, "winners": winners(eff), "scale": at_scale(throughput, measured, base_cfg),
               "throughput_sources_digest": throughput["sources_digest"], "sweep_git_commit": index["git_commit"],
               "git_commit": git_commit()}
     path = measurement("goodput", "goodput", quick)
     atomic_write_json(path, result)
     for model, levels in result["winners"].items():
-        print(model + ": " + "; ".join(f"{lv} {w['best']} (+{100 * w['ahead']:.1f}% over {w['second']})"
-                                       for lv, w in levels.items()))
+        print(model + ": " + "; ".join(f"{lv} {w['best']} (+{100 * w['ahead']:.1f}% over {w['second']}"
+                                       f"{'' if w['leads'] else ', tied with ' + ', '.join(w['tied'])})"
+                                       for lv, w in levels.items()))  # noqa: E501
     print(f"-> {path}")
     return 0
 

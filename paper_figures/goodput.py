@@ -20,7 +20,6 @@ from mecefo.results import quick_flag, read_measurement
 
 from .common import plain_log_ticks, save_figure, style, update_readme, write_table
 
-WITHIN = ", within q's interval"
 LEVEL_MARKERS = {"low": "o", "mid": "s", "high": "^"}
 
 
@@ -35,30 +34,40 @@ def _range(r: list[float]) -> str:
 def frontier_figure(result: dict):
     eff = in_order(result["effective"])
     fig, axes = plt.subplots(1, len(eff), figsize=(5 * len(eff), 4.4), sharey=True)
-    policies = list(next(iter(eff.values()))["levels"]["high"])
-    colors = dict(zip(policies, plt.get_cmap("tab10").colors))
+    policies = list(dict.fromkeys(p for m in eff.values() for cells in m["levels"].values() for p in cells))
+    cycle = plt.get_cmap("tab10").colors  # (repeats beyond 10 policies; the legend names each)
+    colors = {p: cycle[i % len(cycle)] for i, p in enumerate(policies)}
+    ys = [100 * (1 - c["q"]["ci95"][i]) for m in eff.values() for cells in m["levels"].values() for c in cells.values()
+          if c["q"] is not None for i in (0, 1) if np.isfinite(c["q"]["ci95"][i])]
+    unmeasured = sorted({p for m in eff.values() for cells in m["levels"].values() for p, c in cells.items() if c["q"] is None})
     for ax, (model, m) in zip(np.atleast_1d(axes), eff.items()):
-        for level, cells in m["levels"].items():
-            for p, c in cells.items():
+        labelled = set()
+        for level in LEVELS:
+            for p, c in m["levels"][level].items():
                 if c["q"] is None:
                     continue
+                exact = c["q"]["by"].startswith("construction")
                 x, y = 100 * (1 - c["kept"]), 100 * (1 - c["q"]["mean"])
                 xerr = [[x - 100 * (1 - c["kept_ci95"][1])], [100 * (1 - c["kept_ci95"][0]) - x]]
                 yerr = [[y - 100 * (1 - c["q"]["ci95"][1])], [100 * (1 - c["q"]["ci95"][0]) - y]]
-                ax.errorbar(x, y, xerr=np.abs(xerr), yerr=np.abs(yerr), fmt=LEVEL_MARKERS[level], color=colors[p],
-                            capsize=2, ms=6, label=p if level == "high" else None)
+                ax.errorbar(x, y, xerr=np.abs(xerr), yerr=None if exact else np.abs(yerr), fmt=LEVEL_MARKERS[level],
+                            color=colors[p], mfc="none" if exact else colors[p], capsize=2, ms=6,
+                            label=(p + (" (exact: q = 1)" if exact else "")) if p not in labelled else None)
+                labelled.add(p)
         xs = np.linspace(0, 100, 200)
         for g in (0.9, 0.75, 0.5):  # (1 - x)(1 - y) = g
             ax.plot(xs, 100 * (1 - g / np.maximum(1 - xs / 100, 1e-9)), color="grey", lw=0.8, ls=":")
             ax.annotate(f"goodput {g:g}", (100 * (1 - g) * 0.98, 1), color="grey", fontsize=7, rotation=90, va="bottom")
         ax.axhline(0, color="black", lw=0.6)
-        ax.set(title=model, xlabel="throughput lost (simulated trained tokens/s), %", xlim=(-2, 70), ylim=(-25, 25))
+        ax.set(title=model, xlabel="throughput lost (simulated trained tokens/s), %", xlim=(-2, 70),
+               ylim=(min(ys + [-5]) - 2, max(ys + [5]) + 2))
     np.atleast_1d(axes)[0].set_ylabel("quality lost per trained token (1 - q), %")
-    handles, labels = np.atleast_1d(axes)[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8,
-               title="policy (markers: o low, s mid, ^ high; dotted: equal goodput)", title_fontsize=8)
-    fig.suptitle("Goodput frontier: quality (trained, CPU, n = 32) x throughput (simulated, the paper's jobs)")
-    fig.tight_layout(rect=(0, 0.14, 1, 1))
+    handles, labels = np.atleast_1d(axes)[-1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5), fontsize=8,
+               title="policy (markers: o low, s mid, ^ high; hollow: exact, q = 1; dotted: equal goodput)", title_fontsize=8)
+    fig.suptitle("Goodput frontier: quality (trained, CPU, n = 32) x throughput (simulated, the paper's jobs)"
+                 + (f"; quality not measured: {', '.join(unmeasured)}" if unmeasured else ""))
+    fig.tight_layout(rect=(0, 0.2, 1, 1))
     return fig
 
 
@@ -70,16 +79,16 @@ def rate_figure(result: dict):
         for p in m["levels"]["high"]:
             if m["levels"]["high"][p]["q"] is None:
                 continue
-            ax.plot(levels, [1.0] + [m["levels"][lv][p]["goodput"] for lv in levels[1:]], marker="o", label=p)
+            ax.plot(levels, [m["failure_free_kept"][p]] + [m["levels"][lv][p]["goodput"] for lv in levels[1:]], marker="o",
+                    label=p)
         ax.set(title=model, xlabel="Table 1 failure level (intervals: the table)", ylim=(0, 1.1))
     axes[0].set_ylabel("goodput G = throughput kept x q")
     axes[0].legend(fontsize=7)
     ax = axes[-1]
     sizes = sorted(scale["sizes"], key=int)
-    for p in scale["sizes"][sizes[0]]:
-        if "goodput" not in scale["sizes"][sizes[0]][p]:
-            continue
-        ax.plot([int(s) for s in sizes], [scale["sizes"][s][p]["goodput"] for s in sizes], marker="o", label=p)
+    for p, c in scale["sizes"][sizes[0]]["policies"].items():
+        if "goodput" in c:
+            ax.plot([int(s) for s in sizes], [scale["sizes"][s]["policies"][p]["goodput"] for s in sizes], marker="o", label=p)
     ax.set_xscale("log")
     plain_log_ticks(ax.xaxis, [int(s) for s in sizes])
     ax.tick_params(axis="x", labelrotation=45)
@@ -123,34 +132,37 @@ def answer(result: dict) -> str:
         said = []
         for level in LEVELS:
             w, g = levels[level], result["effective"][model]["levels"][level]
-            said.append(f"{level}: `{w['best']}` (G {_pct(g[w['best']]['goodput'])}, {100 * w['ahead']:+.1f}% over "
-                        f"`{w['second']}`{'' if w['decided'] else WITHIN})")
+            said.append(f"{level}: `{w['best']}`, G {_pct(g[w['best']]['goodput'])} {_range(g[w['best']]['goodput_range'])}, "
+                        f"{100 * w['ahead']:+.1f}% over `{w['second']}`"
+                        + (" (leads)" if w["leads"] else f" (tied with {', '.join(f'`{t}`' for t in w['tied'])})"))
         parts.append(f"**{model}**: " + "; ".join(said))
         high = result["effective"][model]["levels"]["high"]
         ranked = sorted((p for p in high if "goodput" in high[p]), key=lambda p: -high[p]["goodput"])
         mine.append(f"{model} G {_pct(high['mecefo']['goodput'])} (throughput kept {_pct(high['mecefo']['kept'])}, "
                     f"q {high['mecefo']['q']['mean']:.3f}; rank {ranked.index('mecefo') + 1} of {len(ranked)})")
-    return ("Which policy reaches the failure-free run's quality first (highest goodput G; time to that quality is 1/G "
-            "times the failure-free time): " + ". ".join(parts) + ". MeCeFO at high: " + "; ".join(mine) + ".")
+    return ("Which policy reaches the failure-free run's quality first (highest goodput G, with its range over q's and the "
+            "throughput's intervals; time to that quality is 1/G times the failure-free time; \"leads\": the low end of its "
+            "range is above the high end of every other policy's, else the policies whose ranges reach it are named): " + ". ".join(parts) + ". MeCeFO at high: " + "; ".join(mine) + ".")
 
 
 def scale_answer(scale: dict) -> str:
     """Per size: the policy of highest goodput at Llama 3's rate, and MeCeFO's."""
     said = []
     for size in sorted(scale["sizes"], key=int):
-        cells = {p: c for p, c in scale["sizes"][size].items() if "goodput" in c}
-        best = max(cells, key=lambda p: cells[p]["goodput"])
-        said.append(f"{int(size):,}: `{best}` {_pct(cells[best]['goodput'])} (`mecefo` {_pct(cells['mecefo']['goodput'])})")
+        cells, w = scale["sizes"][size]["policies"], scale["sizes"][size]["leaders"]
+        said.append(f"{int(size):,}: `{w['best']}` {_pct(cells[w['best']]['goodput'])}"
+                    + ("" if w["leads"] else f" (tied with {', '.join(f'`{t}`' for t in w['tied'])})")
+                    + f", `mecefo` {_pct(cells['mecefo']['goodput'])}")
     return "Highest goodput at each size: " + "; ".join(said) + "."
 
 
 def report(result: dict) -> tuple[str, str]:
     scale = result["scale"]
     sizes = sorted(scale["sizes"], key=int)
-    head = ["| GPUs | " + " | ".join(f"`{p}`" for p in scale["sizes"][sizes[0]] if "goodput" in scale["sizes"][sizes[0]][p]) + " |"]
-    head.append("|---|" + "---|" * (head[0].count("|") - 2))
+    shown = [p for p, c in scale["sizes"][sizes[0]]["policies"].items() if "goodput" in c]
+    head = ["| GPUs | " + " | ".join(f"`{p}`" for p in shown) + " |", "|---|" + "---|" * len(shown)]
     for s in sizes:
-        head.append(f"| {int(s):,} | " + " | ".join(_pct(c["goodput"]) for c in scale["sizes"][s].values() if "goodput" in c) + " |")
+        head.append(f"| {int(s):,} | " + " | ".join(_pct(scale["sizes"][s]["policies"][p]["goodput"]) for p in shown) + " |")
     intro = (f"Quality from the sweep's runs at n = {result['n']} ({result['profile']} profile) against failure-free runs of "
              f"{', '.join(str(x) for x in next(iter(result['curves'].values()))['lengths'])} steps per seed (fit L = a + b ln S, "
              f"largest residual {max(c['max_residual'] for c in result['curves'].values()):.4f}); throughput simulated for "
@@ -158,11 +170,22 @@ def report(result: dict) -> tuple[str, str]:
              "for `drop`, whose lost tokens the throughput already counts); exact policies have q = 1 by construction. "
              "The combination assumes that q measured on our CPU model at a failure level carries over to the paper's jobs "
              "at the same level.")
+    c = result["comparability"]
+    caveat = ("What the combination cannot match: the failed fractions of rank-steps, on the CPU (after the 100-step warm start) "
+              + ", ".join(f"{lv} {100 * c[lv]['cpu_failed_fraction']:.1f}%" for lv in LEVELS) + ", in the simulator (steady state) "
+              + ", ".join(f"{lv} {100 * c[lv]['simulated_failed_fraction']:.1f}%" for lv in LEVELS)
+              + "; and the samples `drop` loses, on the CPU (a rank is one GPU) "
+              + ", ".join(f"{lv} {100 * c[lv]['drop_samples_lost_cpu']:.1f}%" for lv in LEVELS if c[lv]["drop_samples_lost_cpu"] is not None)
+              + ", on 7B's 4 pipeline stages (a failed GPU takes its replica) "
+              + ", ".join(f"{lv} {100 * c[lv]['drop_samples_lost_7b']:.1f}%" for lv in LEVELS if c[lv]["drop_samples_lost_7b"] is not None)
+              + ": q per trained token is assumed to hold where many more samples are dropped.")
     section = "\n".join([
-        intro, "", answer(result), "", *quality_table(result), "", *table(result), "",
+        intro, "", caveat, "", answer(result), "", *quality_table(result), "", *table(result), "",
         f"At Llama 3's rate ({scale['scenario']['interval_h']:g} h between failures per 32 GPUs, {scale['scenario']['recovery_h']:g} h "
         f"down) a run fails {100 * scale['run_failed_fraction']:.4f}% of its rank-steps: q is 1 within "
-        f"{max(abs(1 - v['mean']) for v in scale['q'].values()):.1e} for every policy, so goodput at scale is the throughput kept:",
+        f"{max(abs(1 - v['mean']) for v in scale['q'].values()):.1e} for every policy, so goodput at scale is the throughput kept "
+        "(the scaling experiment's 7B job, against the failure-free job's throughput: each policy's own failure-free overhead, "
+        "e.g. Bamboo's redundant computation, taken from Table 2's 7B job):",
         "", *head, "", scale_answer(scale), "", "![goodput frontier](docs/figures/goodput_frontier.png)", "![goodput against the failure rate](docs/figures/goodput_rate.png)"])
     return "# Goodput\n\n" + section + "\n", section
 

@@ -39,7 +39,8 @@ def _run(root, name, loss, steps=100, seen=1000, trained=1000, failed=0.1):
 
 def test_quality_per_trained_token_charges_a_dropping_policy_once(tmp_path, monkeypatch):
     monkeypatch.setattr(goodput, "RESULTS", tmp_path)
-    curve = {"a": 8.0, "b": -0.6, "lengths": [60, 100]}
+    curve = {"a": 8.0, "b": -0.6, "lengths": [60, 100], "full_loss": 8.0 - 0.6 * math.log(100) + 0.01}
+    own = math.exp(0.01 / -0.6) * 100  # the seed's failure-free run, as the fit reads it: the runs are measured against it
     at = {s: 8.0 - 0.6 * math.log(s) for s in (95, 90, 80, 70)}
     cells = [
         {"tag": "main", "n": 32, "level": "high", "policy": "mecefo", "seed": 0, "run": _run(tmp_path, "m0", at[95])},
@@ -49,14 +50,15 @@ def test_quality_per_trained_token_charges_a_dropping_policy_once(tmp_path, monk
         {"tag": "main", "n": 4, "level": "high", "policy": "drop", "seed": 0, "run": "elsewhere"},  # another n: not read
     ]
     q = goodput.quality({"design": {"n": 32}, "cells": cells}, {0: curve, 1: curve})
-    assert q["mecefo"]["high"]["steps_fraction"]["values"] == pytest.approx([0.95, 0.90])
-    assert q["mecefo"]["high"]["q"]["values"] == pytest.approx([0.95, 0.90])  # every sample trained
-    assert q["drop"]["high"]["steps_fraction"]["values"] == pytest.approx([0.80, 0.70])
-    assert q["drop"]["high"]["q"]["values"] == pytest.approx([0.80 / 0.88, 0.70 / 0.88])  # per token it trained
+    m, d = [95 / own, 90 / own], [80 / own, 70 / own]
+    assert q["mecefo"]["high"]["steps_fraction"]["values"] == pytest.approx(m)
+    assert q["mecefo"]["high"]["q"]["values"] == pytest.approx(m)  # every sample trained
+    assert q["drop"]["high"]["steps_fraction"]["values"] == pytest.approx(d)
+    assert q["drop"]["high"]["q"]["values"] == pytest.approx([v / 0.88 for v in d])  # per token it trained
     assert q["drop"]["high"]["extrapolated"] is False
     mean, lo, hi = q["mecefo"]["high"]["q"]["mean"], *q["mecefo"]["high"]["q"]["ci95"]
-    half = 12.706 * np.std([0.95, 0.90], ddof=1) / math.sqrt(2)  # t(0.975, 1 df)
-    assert mean == pytest.approx(0.925) and (lo, hi) == pytest.approx((0.925 - half, 0.925 + half), rel=1e-3)
+    half = 12.706 * np.std(m, ddof=1) / math.sqrt(2)  # t(0.975, 1 df)
+    assert mean == pytest.approx(np.mean(m)) and (lo, hi) == pytest.approx((mean - half, mean + half), rel=1e-3)
 
 
 def _throughput(names, levels=("low", "mid", "high")):
@@ -82,7 +84,11 @@ def test_exact_policies_are_worth_every_step_and_unmeasured_ones_are_said_so():
     assert high["mecefo"]["goodput"] == pytest.approx(high["mecefo"]["kept"] * 0.9)
     assert high["mecefo"]["time_to_quality"] == pytest.approx(1 / high["mecefo"]["goodput"])
     assert high["drop"]["q"] is None and "goodput" not in high["drop"]  # trained by nobody here: not measured
-    assert "drop" in goodput.winners(eff)["llama-7b"]["high"]["not_measured"]
+    w = goodput.winners(eff)["llama-7b"]["high"]
+    assert "drop" in w["not_measured"]
+    g = {p: c["goodput_range"] for p, c in high.items() if "goodput" in c}
+    assert w["leads"] == all(g[w["best"]][0] > g[p][1] for p in g if p != w["best"])
+    assert w["tied"] == [p for p in sorted(g, key=lambda p: -high[p]["goodput"]) if p != w["best"] and g[p][1] >= g[w["best"]][0]]
 
 
 def test_a_new_registry_policy_appears_in_the_table_and_the_frontier(example):  # noqa: F811
@@ -91,14 +97,18 @@ def test_a_new_registry_policy_appears_in_the_table_and_the_frontier(example):  
     names = policies.simulator_policies()
     assert NAME in names
     eff = goodput.effective(_throughput(names), _measured(["mecefo", "drop", "spread-mecefo", NAME]))
+    sized = {p: {"goodput": 1.0, "goodput_range": [1.0, 1.0]} for p in names}
     result = {"effective": eff, "winners": goodput.winners(eff), "quality": {}, "n": 32, "profile": "test",
               "curves": {"0": {"lengths": [1, 2], "max_residual": 0.0}},
+              "comparability": {lv: {"cpu_failed_fraction": 0.1, "simulated_failed_fraction": 0.1, "drop_samples_lost_cpu": 0.1,
+                                     "drop_samples_lost_7b": 0.4} for lv in goodput.LEVELS},
               "scale": {"scenario": {"name": "x", "interval_h": 1.0, "recovery_h": 1.0}, "run_failed_fraction": 0.0,
                         "q": {p: {"mean": 1.0} for p in names},
-                        "sizes": {"32": {p: {"goodput": 1.0} for p in names}}}}
+                        "sizes": {"32": {"policies": sized, "leaders": goodput.leaders(sized)}}}}
     assert sum(f"| `{NAME}` |" in line for line in figure.table(result)) == 3  # low, mid, high
     figure.frontier_figure(result)  # drawn without a change to the figure code
     figure.rate_figure(result)
+    assert NAME in figure.report(result)[1]
 
 
 def test_q_at_scale_is_interpolated_in_the_failed_fraction():
@@ -117,5 +127,5 @@ def test_q_at_scale_is_interpolated_in_the_failed_fraction():
     f = out["run_failed_fraction"]
     assert f == pytest.approx(3.0 / (32 * 48.0))
     assert out["q"]["mecefo"]["mean"] == pytest.approx(1 - 0.2 * f / 0.02)  # between failure-free and low
-    assert out["sizes"]["32"]["mecefo"]["goodput"] == pytest.approx(0.9 * out["q"]["mecefo"]["mean"])
+    assert out["sizes"]["32"]["policies"]["mecefo"]["goodput"] == pytest.approx(0.9 * out["q"]["mecefo"]["mean"])
     assert "drop" not in out["q"]  # not measured at every level
