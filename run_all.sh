@@ -23,6 +23,7 @@ step "training-step benchmark (ours vs a plain reference loop)"
 python -m experiments.bench_train $quick
 python -m experiments.bench_ranks $quick
 python -m experiments.bench_ft $quick
+python -m experiments.bench_adapter $quick   # the techniques on a Hugging Face Llama (mecefo.adapter)
 [ -z "$quick" ] && python -m experiments.bench_heal   # slow heals on torchft (4 runs, ~4 min; not in CI's profile)
 
 step "neighbour cost ablation (the paper's Table 6)"
