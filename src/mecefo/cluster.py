@@ -391,8 +391,9 @@ class Backend:
 
     def normalise(self, counts: dict[str, float]) -> None:
         """.grad holds the weighted sums; divide each group by its weight (no gradient where it is 0)."""
+        group = getattr(self.model, "group_of", group_of)  # a Hugging Face model's groups by module name (mecefo.hf)
         for name, p in self.model.named_parameters():
-            c = counts[group_of(name)]
+            c = counts[group(name)]
             if c == 0:
                 p.grad = None
             elif p.grad is not None and c != 1:

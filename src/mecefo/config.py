@@ -23,10 +23,15 @@ from .records import stable_hash
 @dataclass(frozen=True)
 class ModelSection:
     preset: str = "tiny"  # see mecefo.model.PRESETS; the vocabulary size comes from the tokenizer
+    hf_config: str = ""  # a Hugging Face config.json (Llama/Mistral/Qwen2) to train instead of our GPT (mecefo.hf)
 
     def validate(self) -> None:
         if self.preset not in PRESETS:
             raise UsageError(f"model.preset={self.preset!r}; allowed: {', '.join(PRESETS)}")
+        if self.hf_config:
+            from .hf import read_config
+
+            read_config(self.hf_config)
 
 
 @dataclass(frozen=True)
@@ -105,7 +110,15 @@ class Config:
     def validate(self) -> "Config":
         for section in fields(self):
             getattr(self, section.name).validate()
-        if self.data.seq_len > PRESETS[self.model.preset].max_seq_len:
+        if self.model.hf_config and self.cluster.shard != "none":
+            raise UsageError("model.hf_config trains with cluster.shard='none' (FSDP2 sharding is built for our GPT)")
+        if self.model.hf_config:
+            from .hf import read_config
+
+            limit = read_config(self.model.hf_config).get("max_position_embeddings", 2048)
+            if self.data.seq_len > limit:
+                raise UsageError(f"data.seq_len={self.data.seq_len} exceeds model.hf_config's max_position_embeddings={limit}")
+        elif self.data.seq_len > PRESETS[self.model.preset].max_seq_len:
             raise UsageError(f"data.seq_len={self.data.seq_len} exceeds the {self.model.preset} preset's "
                              f"max_seq_len={PRESETS[self.model.preset].max_seq_len}")
         return self
@@ -121,13 +134,17 @@ class Config:
             d["train"].pop(k)
         if self.train.precision == "auto" and self.train.resolved_device() == "cuda":
             d["train"]["precision"] = "bf16"  # what auto does there (on a CPU, auto is fp32 and hashed as "auto")
+        if self.model.hf_config:  # the config's content, not where it lies
+            from .hf import read_config
+
+            d["model"]["hf_config"] = "sha:" + stable_hash(read_config(self.model.hf_config))
         for (section, key), default in HASH_NEUTRAL_DEFAULTS.items():
             if d[section][key] == default:
                 d[section].pop(key)
         return stable_hash(d)
 
 
-HASH_NEUTRAL_DEFAULTS = {("cluster", "failure_free_steps"): 0}
+HASH_NEUTRAL_DEFAULTS = {("cluster", "failure_free_steps"): 0, ("model", "hf_config"): ""}
 
 
 RENAMED = {"low_rank": "r"}  # old key -> new key, refused with a message naming the new one

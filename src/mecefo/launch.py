@@ -426,11 +426,10 @@ def main(argv: list[str] | None = None, restore_signals: bool = True) -> int:
                 raise UsageError(f"--group_size {args.group_size}: a group of several processes shards the model, with "
                                  "--shard fsdp" if args.group_size > 1 else f"--group_size {args.group_size} must be at least 1")
             from .data import TokenData  # the token cache, built once here rather than by every replica
-            from .model import preset
-            from .train import check_memory, resolve_device
+            from .train import check_memory, model_config, resolve_device
 
             device = resolve_device(cfg.train.device)
-            check_memory(cfg, preset(cfg.model.preset, vocab_size=TokenData(cfg.data).vocab_size), device,
+            check_memory(cfg, model_config(cfg, TokenData(cfg.data).vocab_size)[0], device,
                          cfg.data.micro_batch_size, processes=cc.ranks * args.group_size if device.type == "cpu" else 1,
                          shards=args.group_size)
             import torch

@@ -184,7 +184,8 @@ class LowRankWgrad:
 
     @staticmethod
     def matrices(model: torch.nn.Module, ffn: bool = True, head: bool = False) -> list[torch.nn.Linear]:
-        return (ffn_linears(model) if ffn else []) + ([model.lm_head] if head else [])
+        linears = model.ffn_linears() if hasattr(model, "ffn_linears") else ffn_linears(model)  # (mecefo.hf's)
+        return (linears if ffn else []) + ([model.lm_head] if head else [])
 
     def state_dict(self) -> dict:
         """Step count and cached subspaces (with their epoch) by module name (bind() first)."""

@@ -88,6 +88,16 @@ def apply_update(optimizer: torch.optim.Optimizer, lr: float) -> None:
     optimizer.step()
 
 
+def model_config(cfg: Config, vocab_size: int):
+    """The model's shape (mecefo.model.ModelConfig: the preset's, or a Hugging Face config's) and how exactly the
+    cost accounting counts it ("exact", or what it leaves out)."""
+    if cfg.model.hf_config:
+        from .hf import model_config as hf_shape, read_config
+
+        return hf_shape(read_config(cfg.model.hf_config), vocab_size)
+    return preset(cfg.model.preset, vocab_size=vocab_size), "exact"
+
+
 def check_memory(cfg: Config, model_cfg, device: torch.device, rows_per_pass: int, processes: int | None = None,
                  shards: int | None = None) -> None:
     """Refuse, before anything is allocated, a run whose step cannot fit: mecefo.costs.training_memory of one
@@ -241,9 +251,15 @@ class Run:
         cc, tc = cfg.cluster, cfg.train
         backend = backend_class(cc)
         self.data = backend.open_data(cfg, rank == 0)
-        self.model_cfg = preset(cfg.model.preset, vocab_size=self.data.vocab_size)
+        self.model_cfg, self.cost_accounting = model_config(cfg, self.data.vocab_size)
         check_memory(cfg, self.model_cfg, device, backend.rows_per_pass(cfg), shards=backend.shards(cfg))
-        self.model = backend.build_model(self.model_cfg, device, tc.seed)
+        if cfg.model.hf_config:  # a Hugging Face model (mecefo.hf), seeded as ours
+            from .hf import HFCausalLM, read_config
+
+            torch.manual_seed(tc.seed)
+            self.model = HFCausalLM(read_config(cfg.model.hf_config)).to(device)
+        else:
+            self.model = backend.build_model(self.model_cfg, device, tc.seed)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.schedule = failures.for_run(cfg)
         self.policy = policies.get(cc.policy, trainer=True)(cc)
@@ -419,7 +435,8 @@ class Run:
             "final_train_loss": p.last_loss, "final_val_loss": val_loss, "final_val_ppl": math.exp(val_loss),
             "final_test_loss": test_loss, "final_test_ppl": None if test_loss is None else math.exp(test_loss),
             "splits": self.data.splits,
-            "n_parameters": count_parameters(self.model_cfg), "model": self.model_cfg.__dict__,
+            "n_parameters": sum(p.numel() for p in self.model.parameters()) if self.cfg.model.hf_config else
+            count_parameters(self.model_cfg), "model": self.model_cfg.__dict__, "cost_accounting": self.cost_accounting,
             "tokens_seen": tc.steps * self.tokens_per_step, "tokens_trained": p.tokens_trained,
             "replayed_steps": self.policy.replayed_steps, "skipped_steps": p.skipped_steps,
             "skipped_fraction": p.skipped_steps / tc.steps, "rank_agreement": agreement,
