@@ -59,10 +59,6 @@ LAYOUTS = {
 }
 
 
-def _get(root: torch.nn.Module, path: str) -> torch.nn.Module:
-    return root.get_submodule(path)
-
-
 class Adapter:
     """The techniques for `model`, whose modules `layout` (a Layout or a LAYOUTS name) names."""
 
@@ -73,23 +69,20 @@ class Adapter:
             layout = LAYOUTS[layout]
         self.model, self.layout = model, layout
         try:
-            self.blocks = list(_get(model, layout.layers))
+            self.blocks = list(model.get_submodule(layout.layers))
             for block in self.blocks:
                 for name in (layout.attention, layout.ffn, layout.attention_norm, layout.ffn_norm):
-                    _get(block, name)
+                    block.get_submodule(name)
                 for name in layout.ffn_linears:
-                    _get(_get(block, layout.ffn), name)
-            self.head = _get(model, layout.head)
+                    block.get_submodule(layout.ffn).get_submodule(name)
+            self.head = model.get_submodule(layout.head)
         except AttributeError as e:
             raise ValueError(f"the model has no module the layout names ({e}); give your model's names with "
                              "mecefo.adapter.Layout") from None
 
     def ffn_linears(self) -> list[torch.nn.Linear]:
         """The FFN projections of every block, in order: the matrices low_rank_wgrad applies to."""
-        return [_get(_get(b, self.layout.ffn), n) for b in self.blocks for n in self.layout.ffn_linears]
-
-    def matrices(self, ffn: bool = True, head: bool = False) -> list[torch.nn.Linear]:
-        return (self.ffn_linears() if ffn else []) + ([self.head] if head else [])
+        return [b.get_submodule(self.layout.ffn).get_submodule(n) for b in self.blocks for n in self.layout.ffn_linears]
 
     def group_of(self, param_name: str) -> str:
         """The aggregation group of a parameter (mecefo.model.group_of's groups): 'attention.<l>' (the attention
@@ -117,8 +110,9 @@ class Adapter:
             if t is not None:
                 for block in self.blocks:
                     if t.skip_attention:
-                        patch(_get(block, self.layout.attention), _no_grad(_own(_get(block, self.layout.attention))))
-                    ffn = _get(block, self.layout.ffn)
+                        attention = block.get_submodule(self.layout.attention)
+                        patch(attention, _no_grad(_own(attention)))
+                    ffn = block.get_submodule(self.layout.ffn)
                     if t.skip_ffn:
                         patch(ffn, _no_grad(_own(ffn)))
                     elif t.recompute_ffn or t.low_rank_wgrad:
@@ -133,7 +127,7 @@ class Adapter:
 
     def _ffn(self, ffn: torch.nn.Module, neighbour: Neighbour):
         t, original = neighbour.techniques, _own(ffn)
-        linears = [_get(ffn, n) for n in self.layout.ffn_linears]
+        linears = [ffn.get_submodule(n) for n in self.layout.ffn_linears]
 
         def run(*args, **kwargs):
             if not t.low_rank_wgrad:

@@ -116,9 +116,11 @@ class FtCluster(Backend):
         with self.deadline(f"a quorum at the lighthouse {self.lighthouse}"):
             self.manager.start_quorum()
 
+    HEAL_SKIPS = ("rng",)  # components a heal does not send
+
     def state(self) -> dict:
         """What a live peer sends a replica that heals (everything but the RNG states)."""
-        return {k: c.state_dict() for k, c in self.healed.items() if k != "rng"}
+        return {k: c.state_dict() for k, c in self.healed.items() if k not in self.HEAL_SKIPS}
 
     def load_state(self, state: dict) -> None:
         self.status("healing")
@@ -205,10 +207,14 @@ class FtCluster(Backend):
 
         return self.exchange_step(plan, self.rank, lambda t: self.manager.allreduce(t, reduce_op=ReduceOp.SUM).wait())
 
+    def peer_failed(self) -> bool:
+        """Whether a peer failed during this step's exchange (torchft's error)."""
+        return self.manager.errored() is not None
+
     def abort(self) -> bool:
         """A non-finite loss: void if a peer died during the exchange (its partial sums are not the step's;
         redone), else reported so that no peer commits it, and training stops."""
-        void = self.manager.errored() is not None
+        void = self.peer_failed()
         if not void:
             self.manager.report_error(RuntimeError("non-finite loss"))
         self.manager.should_commit()
@@ -295,6 +301,10 @@ class FtShardedCluster(FtCluster):
     def run_finished(self) -> bool:
         return not _all_in_group(not super().run_finished(), self.device)  # one answer for the group
 
+    # the model's components gather the whole model: a collective, and the group's processes may send to
+    # different groups' processes, or only some of them send; each sends its own shards instead (state)
+    HEAL_SKIPS = ("rng", "model", "optimizer")
+
     def rejoined(self) -> bool:
         """Every process of the group is back (torchft spreads the heal sources over the group's ranks: one
         transfer can fail while the others succeed). A group half healed holds no one state: it kills itself,
@@ -307,14 +317,10 @@ class FtShardedCluster(FtCluster):
             os.kill(os.getpid(), signal.SIGKILL)
         return False
 
-    def abort(self) -> bool:
-        """As FtCluster's, with the group's answer: void if any of its processes saw a peer fail (its shard of
-        the exchange, and so the group's gradient norm, are not the step's)."""
-        void = not _all_in_group(self.manager.errored() is None, self.device)
-        if not void:
-            self.manager.report_error(RuntimeError("non-finite loss"))
-        self.manager.should_commit()
-        return void
+    def peer_failed(self) -> bool:
+        """The group's answer: any of its processes saw a peer fail (its shard of the exchange, and so the
+        group's gradient norm, are not the step's)."""
+        return not _all_in_group(not super().peer_failed(), self.device)
 
     @classmethod
     def shards(cls, cfg) -> int:
@@ -331,9 +337,8 @@ class FtShardedCluster(FtCluster):
         from .cluster import _local
 
         _reshard(self.model)
-        rest = {k: c.state_dict() for k, c in self.healed.items() if k not in ("rng", "model", "optimizer")}
-        return rest | {  # (the model's components gather the whole model: a collective, and the group's processes
-            "group_size": self.group.size,  # may send to different groups' processes, or only some of them send)
+        return super().state() | {
+            "group_size": self.group.size,
             "model": {k: _local(p).detach() for k, p in self.model.named_parameters()},
             "optimizer": _map_tensors(self.optimizer.state_dict(), _local)}
 
