@@ -25,6 +25,8 @@ python -m experiments.bench_ranks $quick
 python -m experiments.bench_ft $quick
 python -m experiments.bench_adapter $quick   # the techniques on a Hugging Face Llama (mecefo.adapter)
 [ -z "$quick" ] && python -m experiments.bench_heal   # slow heals on torchft (4 runs, ~4 min; not in CI's profile)
+step "chaos harness: random real failures on the torchft backend, every run checked (quick: 3 schedules)"
+python -m experiments.chaos $quick
 
 step "neighbour cost ablation (the paper's Table 6)"
 python -m experiments.ablation $quick
@@ -63,6 +65,7 @@ python -m paper_figures.bias_variance $quick
 python -m paper_figures.grad_error $quick
 python -m paper_figures.rate $quick
 [ -z "$quick" ] && python -m paper_figures.heal
+python -m paper_figures.chaos $quick
 python -m paper_figures.headline $quick   # the README's first screen, from the results above
 python -m analysis.run_notebooks
 

@@ -9,8 +9,8 @@ time a real failure costs.
    (for torchft: between commits, so quorum, failed-set exchange and should_commit are included).
    Written: both medians and their ratio.
 2. With real kills, 3 ranks, steps paced to 0.1 s: rank 1 killed with SIGKILL and restarted 10 steps later,
-   twice. Written: seconds from each kill to the first committed step without the killed rank, and from
-   each restart to the first step the restarted rank takes part in (process start, quorum, healing).
+   twice. Written: seconds from each kill to the next committed step, and from each restart to the first step the
+   restarted rank takes part in (a spare process taking over, quorum, healing).
 Writes results/bench/ft-<profile>.json.
 """
 
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     path = RESULTS / "bench" / f"ft-{'quick' if quick else 'default'}.json"
     atomic_write_json(path, result)
     print(f"{preset}, 2 ranks: torch backend {1e3 * torch_step:.1f} ms/step, torchft {1e3 * ft_step:.1f} ms/step "
-          f"(x{ft_step / torch_step:.2f}); kill -> step without it {timings['kill_to_step_s']} s, "
+          f"(x{ft_step / torch_step:.2f}); kill -> next step {timings['kill_to_step_s']} s, "
           f"restart -> rejoin {timings['restart_to_rejoin_s']} s -> {path}")
     return 0
 

@@ -88,3 +88,98 @@ def test_a_checkpoint_of_another_config_or_a_torn_one_is_refused(tmp_path):
     (tmp_path / "checkpoint.pt").write_bytes((tmp_path / "checkpoint.pt").read_bytes()[:40])
     with pytest.raises(UsageError, match="cannot be read as data"):
         checkpoint.load(tmp_path / "checkpoint.pt", CFG.hash())
+
+
+def test_torn_rows_are_dropped_on_merge_and_on_resume_and_repaired_before_appending(tmp_path):
+    """A replica killed mid-write leaves a partial last line; restarted, it would append to it: repair_tail cuts it
+    back first; merge and resume_point drop any line that is not JSON (its step is in the other replicas' rows)."""
+    from mecefo.records import read_rows, repair_tail
+
+    rows = {0: [{"step": 0, "val_loss": 6.0, "tokens_seen": 0}, _row(1, 0, 10.0), _row(2, 0, 11.0), _row(3, 0, 12.0)],
+            1: [{"step": 0, "val_loss": 6.0, "tokens_seen": 0}, _row(1, 1, 10.0), _row(2, 1, 11.0), _row(3, 1, 12.0)]}
+    supervisor = _replicas(tmp_path, rows)
+    path = tmp_path / "replicas" / "rank1.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[:2]) + "\n" + lines[2][:17] + lines[3] + "\n")  # step 2 torn, step 3 glued to it
+    with open(tmp_path / "replicas" / "rank0.jsonl", "a") as f:
+        f.write('{"step": 4, "lo')  # killed while writing
+    assert read_rows(path) == ([json.loads(lines[0]), json.loads(lines[1])], 1)
+    summary = merge(tmp_path, CFG, supervisor.events, supervisor.t0)
+    assert summary["backend"]["torn_lines_dropped"] == 2
+    assert [m["step"] for m in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())] == [0, 1, 2, 3]
+    assert repair_tail(tmp_path / "replicas" / "rank0.jsonl") and not repair_tail(tmp_path / "replicas" / "rank0.jsonl")
+    assert (tmp_path / "replicas" / "rank0.jsonl").read_text().endswith('"time": 12.0}}\n')
+    checkpoint.save(tmp_path / "checkpoint.pt", 3, CFG.hash(), {})
+    assert resume_point(tmp_path, CFG) == 3
+    assert read_rows(path)[1] == 0  # rewritten whole
+
+
+def test_restarts_are_judged_within_their_window_and_those_never_back_are_named():
+    """Rank 1 restarted at 2 s rejoins at 3 s, is killed at 3.3 s, restarted at 3.5 s, and the launch stops with every
+    rank down: its resume at 3.8 s ends that restart's window (not judged, nor a 1 s rejoin at 4.5 s). Rank 2 restarted
+    at 5 s is killed again at 5.5 s before it trained (not judged; that kill is not a training rank's), restarted at
+    6 s and never trains: named, with what it was last doing."""
+    from mecefo.launch import not_rejoined, recovery_times
+
+    def event(t, kind, r, **more):
+        return {"time": t, "kind": kind, "rank": r, "step": 0, "why": "restart after a kill", **more}
+
+    events = [event(0.0, "start", 1, why="initial"), event(1.0, "kill", 1), event(2.0, "start", 1), event(3.3, "kill", 1),
+              event(3.5, "start", 1), {"time": 3.8, "kind": "resume", "step": 3}, event(4.0, "kill", 2),
+              event(5.0, "start", 2), event(5.5, "kill", 2), event(6.0, "start", 2, step=6),
+              event(6.5, "status", 2, status="waiting")]
+    rows = {s: _row(s, 0, t, down) for s, t, down in
+            [(1, 0.5, []), (2, 1.5, [1]), (3, 3.0, []), (4, 4.5, [2]), (5, 5.8, [2]), (6, 6.2, [2]), (7, 10.0, [2])]}
+    timings = recovery_times(events, rows, [])
+    assert timings == {"kill_to_step_s": [pytest.approx(0.5), pytest.approx(0.5)], "restart_to_rejoin_s": [pytest.approx(1.0)]}
+    assert not_rejoined(events, rows, end=10.0) == [
+        {"rank": 2, "restarted_at_step": 6, "seconds_before_end": 4.0, "last_status": "waiting"}]
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("lighthouse", "expected lighthouse:STEP[:SECONDS]"), ("lighthouse:0", "expected lighthouse:STEP"),
+    ("lighthouse:3:-1", "expected lighthouse:STEP"), ("lighthouse:3:x", "expected lighthouse:STEP")])
+def test_a_lighthouse_kill_is_parsed_or_refused_in_one_line(spec, message):
+    from mecefo.failures import resolve
+    from mecefo.launch import kill_plan
+
+    with pytest.raises(UsageError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        kill_plan(resolve("none", 2, 10, 44.0, seed=0, start="stationary"), [spec], 2)
+
+
+def test_stall_and_lighthouse_specs():
+    from mecefo.failures import resolve
+    from mecefo.launch import kill_plan, stall_plan
+
+    kills, _ = kill_plan(resolve("none", 3, 10, 44.0, seed=0, start="stationary"), ["lighthouse:4:2.5", "lighthouse:6"], 3)
+    assert [(k.what, k.rank, k.at_step, k.seconds) for k in kills] == [("lighthouse", None, 4, 2.5), ("lighthouse", None, 6, None)]
+    assert [(k.what, k.rank, k.at_step, k.seconds) for k in stall_plan(["2:5:3"], 3)] == [("stall", 2, 5, 3.0)]
+    for bad in ("2:5", "3:5:1", "1:0:1", "1:5:0", "1:5:inf"):
+        with pytest.raises(UsageError, match="--stall"):
+            stall_plan([bad], 3)
+
+
+def test_a_checkpoint_write_never_replaces_a_later_step_nor_leaves_dead_writers_files(tmp_path):
+    """A writer stalled before its rename wakes after its successor wrote a later step: the later one stays. A dead
+    writer's temporary file is removed by the next write; a live writer's is left alone."""
+    import os
+    import subprocess
+
+    path = tmp_path / "checkpoint.pt"
+    checkpoint.save(path, 20, CFG.hash(), {}, keep_later=True)
+    checkpoint.save(path, 10, CFG.hash(), {}, keep_later=True)  # the stalled one
+    assert checkpoint.read(path)["step"] == 20
+    checkpoint.save(path, 10, CFG.hash(), {})  # one writer (mecefo.train): after checkpoint-restart's rollback
+    assert checkpoint.read(path)["step"] == 10
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    live = subprocess.Popen(["sleep", "30"])
+    try:
+        (tmp_path / f".checkpoint.pt.{dead.pid}.tmp").write_bytes(b"partial")
+        (tmp_path / f".checkpoint.pt.{live.pid}.tmp").write_bytes(b"being written")
+        checkpoint.save(path, 30, CFG.hash(), {}, keep_later=True)
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["checkpoint.pt", f".checkpoint.pt.{live.pid}.tmp"])
+        assert checkpoint.read(path)["step"] == 30 and os.path.getsize(path) > 0
+    finally:
+        live.kill()
+        live.wait()

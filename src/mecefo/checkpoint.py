@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from pathlib import Path
 
 import numpy as np
@@ -43,10 +44,54 @@ def gather(components: dict) -> dict:
     return {name: c.state_dict() for name, c in components.items()}
 
 
-def save(path: Path, step: int, config_hash: str, states: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save({"step": step, "config_hash": config_hash, **states}, tmp)
-    os.replace(tmp, path)
+WRITE_DELAY_ENV = "MECEFO_CHECKPOINT_DELAY_S"  # tests, the chaos harness: hold each write before its rename (a big model's)
+
+
+def save(path: Path, step: int, config_hash: str, states: dict, keep_later: bool = False) -> None:
+    """Write to a temporary file of this process's own (two writers, e.g. a stalled one and its successor, never
+    share one), flushed to the disk, then renamed over the checkpoint: a writer killed at any moment leaves the
+    previous checkpoint whole. With keep_later (several writers: torchft), a writer that finds a later step already
+    there (it was stalled while its successor wrote) keeps that one; without it a lower step replaces a higher one,
+    as after checkpoint-restart's rollback. Temporary files of writers no longer alive are removed."""
+    path = Path(path)
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):
+        pid = stale.name.rsplit(".", 2)[-2]
+        if pid.isdigit() and not _alive(int(pid)):
+            stale.unlink(missing_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save({"step": step, "config_hash": config_hash, **states}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        delay = float(os.environ.get(WRITE_DELAY_ENV, "0") or 0)
+        if delay:
+            time.sleep(delay)
+        if keep_later and path.exists() and _step_of(path) > step:
+            tmp.unlink()
+            return
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _step_of(path: Path) -> int:
+    """The step of the checkpoint at path (-1 if it cannot be read: replace it)."""
+    try:
+        return int(read(path)["step"])
+    except UsageError:
+        return -1
 
 
 def _data_types() -> list:

@@ -251,6 +251,10 @@ class Backend:
     def end_step(self, row: dict | None) -> None:
         pass
 
+    def status(self, what: str) -> None:
+        """What this process is doing now ("evaluating 40", "checkpointing 40"), for whoever watches (torchft: the
+        replica's status file, which the launcher reads)."""
+
     # ------------------------------------------------------------------ files
     def owns_out(self) -> bool:
         return self.rank == 0
@@ -260,6 +264,13 @@ class Backend:
 
     def writes(self, plan: StepPlan | None) -> bool:
         return self.rank == 0
+
+    several_writers = False  # whether two processes may write the run's checkpoint at once (torchft: yes)
+
+    def write_checkpoint(self, path, step: int, config_hash: str, states: dict, plan: StepPlan | None) -> None:
+        """Write the gathered states (every process that takes part in the checkpoint calls this)."""
+        if self.writes(plan):
+            checkpoint.save(path, step, config_hash, states, keep_later=self.several_writers)
 
     def metrics_path(self, out):
         return out / "metrics.jsonl" if self.rank == 0 else None

@@ -44,13 +44,30 @@ import torch
 from . import config as config_mod
 from .cluster import Backend, StepResult
 from .errors import TrainingStopped, UsageError, guarded
+from . import liveness
 from .plan import Piece, StepPlan
-from .records import atomic_write_text
+from .records import atomic_write_text, repair_tail
 
 HEAL_DELAY_ENV = "MECEFO_FT_HEAL_DELAY_S"  # tests: hold a process's first healing so that it can be killed then
+# Faults the tests inject, by environment variable, into a replica's first life (not into a restarted one):
+FAULT_VOID = "MECEFO_FT_FAULT_VOID_FROM"  # STEP: every step from STEP on fails (a persistent fault)
+FAULT_DIE_IN_QUORUM = "MECEFO_FT_FAULT_DIE_IN_QUORUM"  # R[,R..]:STEP[;...]: these ranks SIGKILL themselves the moment
+#   the first new quorum (a changed membership) at or after step STEP forms, before its process group is built: the
+#   survivors then meet a dead member at the quorum's store
+FAULT_CRASH = "MECEFO_FT_FAULT_CRASH"  # R:STEP: rank R raises an exception at step STEP (a crash: exit status 1)
+FAULT_HEAL = "MECEFO_FT_FAULT_HEAL"  # R/J: process J of rank R's replica group fails its first heal (its source "died")
 HOST_ENV = "MECEFO_FT_HOST"  # the address peers reach this replica at; unset: 127.0.0.1, every server on loopback
 TIMEOUT_S = float(os.environ.get("MECEFO_FT_TIMEOUT_S", "30"))  # torchft's connect, collective and quorum timeouts
 JOIN_TIMEOUT_S = float(os.environ.get("MECEFO_FT_JOIN_TIMEOUT_S", "300"))  # the wait for the peers before training
+# A replica gives up waiting for a quorum only when the lighthouse has formed none, or not answered, for this long
+# (the cluster is gone; while it recovers, quorums keep forming): above every single wait (TIMEOUT_S, the join wait).
+STALL_S = float(os.environ.get("MECEFO_FT_STALL_S", "90"))
+VOID_S = float(os.environ.get("MECEFO_FT_VOID_S", "120"))  # a step voided again and again for this long stops the run
+CHECKPOINT_S = float(os.environ.get("MECEFO_FT_CHECKPOINT_S", "3600"))  # a group's wait for its checkpoint write
+# torchft's manager server retries a failed lighthouse request this many times, TIMEOUT_S / (retries + 1) apart
+# (100 ms here). With 0 retries a request to a lighthouse that died is answered to nobody: the replica's quorum
+# hangs for its whole timeout (torchft 0.2.0: "We don't broadcast in cases when this method returns an error").
+QUORUM_RETRIES = max(0, int(TIMEOUT_S * 10) - 1)
 
 
 @dataclass
@@ -71,6 +88,10 @@ class FtCluster(Backend):
         self.replicas.mkdir(parents=True, exist_ok=True)
         self.manager, self.store, self.healed = None, None, {}
         self.healed_at, self.healed_before, self.first, self.last_begin = None, False, True, None
+        self.heals, self.void_since, self.voids = 0, None, 0
+        if self.group.rank == 0:  # a process killed mid-write left a partial last line: cut it before appending
+            for name in (f"rank{self.rank}.jsonl", f"rank{self.rank}.heals.jsonl"):
+                repair_tail(self.replicas / name)
         self.status("starting")
 
     def status(self, what: str) -> None:
@@ -81,26 +102,39 @@ class FtCluster(Backend):
     def connect(self, components: dict, step: int) -> int | None:
         """torchft's Manager on this replica's own store (a bare process must host one; torchrun would), at
         `step`, then wait for the peers."""
-        from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+        from torchft import Manager
         from torchft.checkpointing.pg_transport import PGTransport
 
         self.healed = components  # what a heal sends and takes
+        if self.rejoin and not self.live_peer_ahead(step):
+            return None
         host, bind = network()
         timeout = timedelta(seconds=TIMEOUT_S)
-        pg = (ProcessGroupNCCL if self.device.type == "cuda" else ProcessGroupGloo)(timeout=timeout)
+        pg = liveness.process_group(self.device.type, timeout)  # a new quorum's rendezvous ends when a member dies
         with _manager_server_bound_to(bind), self.deadline(f"the lighthouse at {self.lighthouse}"):
             self.manager = Manager(
                 pg=pg, load_state_dict=self.load_state, state_dict=self.state, min_replica_size=1,
                 use_async_quorum=False, replica_id=f"mecefo_{self.rank}", store_addr=self.group.address,
                 store_port=self.group.port, rank=self.group.rank, world_size=self.group.size, lighthouse_addr=self.lighthouse, hostname=host, timeout=timeout,
-                quorum_timeout=timeout, connect_timeout=timeout, init_sync=False,
+                quorum_timeout=timeout, connect_timeout=timeout, init_sync=False, quorum_retries=QUORUM_RETRIES,
                 checkpoint_transport=PGTransport(pg, timeout=timeout, device=self.device))  # heals over the process
                 # group: no HTTP server (torchft's default transport listens on every interface)
+        pg.recorder = self.manager._client = liveness.QuorumRecorder(self.manager._client, self._die_in_quorum)
+        if os.environ.get(FAULT_HEAL) == f"{self.rank}/{self.group.rank}" and not self.rejoin:
+            self.manager._checkpoint_transport.recv_checkpoint = _fails_once(self.manager._checkpoint_transport.recv_checkpoint)
+        pg.lighthouse = self.lighthouse
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
         if self.wait():
             return self.manager.current_step()  # a restarted replica: its peers' step, once it has healed
         print(f"rank {self.rank}: the run finished before this replica could rejoin", flush=True)
         return None
+
+    def _die_in_quorum(self, result) -> None:
+        changed, self.quorum_id = result.quorum_id != getattr(self, "quorum_id", None), result.quorum_id
+        for spec in os.environ.get(FAULT_DIE_IN_QUORUM, "").split(";") if not self.rejoin else ():
+            ranks, _, step = spec.partition(":")
+            if spec and changed and self.rank in {int(r) for r in ranks.split(",")} and result.max_step >= int(step):
+                os.kill(os.getpid(), signal.SIGKILL)
 
     @contextlib.contextmanager
     def deadline(self, what: str):
@@ -113,10 +147,21 @@ class FtCluster(Backend):
             raise TrainingStopped(f"rank {self.rank}: waited {TIMEOUT_S:g} s for {what} in vain ({first})") from None
 
     def quorum(self) -> None:
-        with self.deadline(f"a quorum at the lighthouse {self.lighthouse}"):
-            self.manager.start_quorum()
+        """torchft's quorum (a replica behind its peers heals in it), waited for as long as the cluster makes
+        progress (mecefo.liveness.wait_for_quorum); then healed() on what happened in it."""
+        heals = self.heals
+        try:
+            liveness.wait_for_quorum(self.manager, self.lighthouse, STALL_S, TIMEOUT_S)
+        except TimeoutError as e:
+            raise TrainingStopped(f"rank {self.rank}: waited for a quorum at the lighthouse {self.lighthouse} in vain: "
+                                  f"{e}") from None
+        self.after_quorum(self.heals > heals)
+
+    def after_quorum(self, healed: bool) -> None:
+        """After a quorum: whether this process healed in it (a group's processes must agree: FtShardedCluster)."""
 
     HEAL_SKIPS = ("rng",)  # components a heal does not send
+    several_writers = True  # the lowest live rank writes; a stalled writer may wake after its successor wrote
 
     def state(self) -> dict:
         """What a live peer sends a replica that heals (everything but the RNG states)."""
@@ -130,11 +175,38 @@ class FtCluster(Backend):
         self.healed_before = True
         for k, v in state.items():
             self.healed[k].load_state_dict(v)
-        self.healed_at = time.time()
+        self.healed_at, self.heals = time.time(), self.heals + 1
 
     def run_finished(self) -> bool:
         """Whether some replica has finished the run (a waiting replica then has nobody to join)."""
         return any(self.replicas.glob("rank*.summary.json"))
+
+    def live_peer_ahead(self, step: int) -> bool:
+        """A restarted replica, before its manager exists (and heartbeats, which would make quorums wait for it):
+        wait until the lighthouse's last quorum is ahead of `step`, i.e. a live peer holds newer state to heal from.
+        False if the run finished first. (Without this, two restarted replicas could form a quorum of their own,
+        e.g. with a restarted lighthouse that does not see the others yet, and train a second history.)"""
+        self.status("waiting")
+        start = time.monotonic()
+        while True:
+            status = liveness.read_status(self.lighthouse)
+            ahead, finished, late = self.agreed(  # (a group's processes must take the same branch)
+                ahead=status is not None and status.max_step is not None and status.max_step > step,
+                finished=any(self.replicas.glob("rank*.summary.json")), late=time.monotonic() - start > JOIN_TIMEOUT_S)
+            if finished:
+                print(f"rank {self.rank}: the run finished before this replica could rejoin", flush=True)
+                return False
+            if ahead:
+                return True
+            if late:
+                raise TrainingStopped(f"rank {self.rank}: waited {JOIN_TIMEOUT_S:g} s (MECEFO_FT_JOIN_TIMEOUT_S) for a "
+                                      f"live peer to heal from at the lighthouse {self.lighthouse}")
+            time.sleep(0.05)
+
+    def agreed(self, ahead: bool, finished: bool, late: bool) -> tuple[bool, bool, bool]:
+        """(every process sees a live peer ahead, any sees the run finished, any has waited too long): this process's
+        own answers (a group of several agrees on them: FtShardedCluster)."""
+        return ahead, finished, late
 
     def wait(self) -> bool:
         """Take part in quorums without training (nothing is committed) until `wait_for` replicas are there
@@ -161,9 +233,9 @@ class FtCluster(Backend):
             time.sleep(0.05)
 
     def rejoined(self) -> bool:
-        """A restarted replica is back: healed, or in a quorum with peers at its own step (torchft heals only
-        those behind)."""
-        return self.healed_at is not None or (self.manager.num_participants() > 1 and self.manager.is_participating())
+        """A restarted replica is back once it has healed from a live peer: its own state (a fresh model) is never
+        trained on, whoever else is in the quorum (another restarted replica holds no newer state)."""
+        return self.healed_at is not None
 
     def close(self) -> None:
         if self.manager is not None:
@@ -182,6 +254,9 @@ class FtCluster(Backend):
             self.quorum()
         self.first = False
         step = self.manager.current_step()
+        crash = os.environ.get(FAULT_CRASH, "").split(":")
+        if len(crash) == 2 and int(crash[0]) == self.rank and step >= int(crash[1]) and not self.rejoin:
+            raise RuntimeError(f"an injected crash at step {step} ({FAULT_CRASH})")
         if self.healed_at is not None:
             print(f"rank {self.rank}: healed from a live peer at step {step}", flush=True)
             if self.group.rank == 0:
@@ -225,11 +300,25 @@ class FtCluster(Backend):
         step is redone with the next quorum: no step is lost or applied twice)."""
         if plan is None:
             self.manager.report_error(RuntimeError("the quorum's failed set could not be read"))
+        fault = os.environ.get(FAULT_VOID)
+        if fault and self.manager.current_step() >= int(fault):
+            self.manager.report_error(RuntimeError(f"a persistent fault ({FAULT_VOID}={fault})"))
         return self.manager.should_commit() and plan is not None
 
     def end_step(self, row: dict | None) -> None:
+        """The status file says the step committed; a step voided again and again for VOID_S stops the run."""
         if row is not None:
+            self.void_since, self.voids = None, 0
             self.status(f"step {row['step']}")
+            return
+        now = time.monotonic()
+        self.void_since, self.voids = self.void_since or now, self.voids + 1
+        if now - self.void_since > VOID_S:
+            error = self.manager.errored()
+            raise TrainingStopped(
+                f"rank {self.rank}: step {self.manager.current_step() + 1} was voided {self.voids} times over "
+                f"{now - self.void_since:.0f} s (MECEFO_FT_VOID_S {VOID_S:g}); the last error: "
+                f"{str(getattr(error, 'original_exception', error)).strip().splitlines()[0] if error else 'none'}")
 
     # ------------------------------------------------------------------ files
     def owns_out(self) -> bool:
@@ -306,16 +395,37 @@ class FtShardedCluster(FtCluster):
     HEAL_SKIPS = ("rng", "model", "optimizer")
 
     def rejoined(self) -> bool:
-        """Every process of the group is back (torchft spreads the heal sources over the group's ranks: one
-        transfer can fail while the others succeed). A group half healed holds no one state: it kills itself,
-        and the launcher restarts it."""
-        mine = super().rejoined() and self.manager.errored() is None
-        if _all_in_group(mine, self.device):
-            return True
-        if not _all_in_group(not mine, self.device):
-            print(f"rank {self.rank}: some processes of the group healed and some did not; the group restarts", flush=True)
+        """Every process of the group has healed (torchft spreads the heal sources over the group's ranks: one
+        transfer can fail while the others succeed; after_quorum kills a group healed by halves)."""
+        return _all_in_group(super().rejoined() and self.manager.errored() is None, self.device)
+
+    def agreed(self, ahead: bool, finished: bool, late: bool) -> tuple[bool, bool, bool]:
+        votes = _min_in_group([int(ahead), int(not finished), int(not late)], self.device)
+        return bool(votes[0]), not votes[1], not votes[2]
+
+    def after_quorum(self, healed: bool) -> None:
+        """A mid-run heal too must be the whole group's: if only some of its processes healed in this quorum (a
+        source died during one transfer), the group holds no one state and kills itself to be restarted."""
+        healed_here = _count_in_group(healed, self.device)
+        if 0 < healed_here < self.group.size:
+            print(f"rank {self.rank}: {healed_here} of the group's {self.group.size} processes healed; the group "
+                  "restarts", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        return False
+
+    def write_checkpoint(self, path, step: int, config_hash: str, states: dict, plan) -> None:
+        """The group's rank 0 writes; the others wait for the write (MECEFO_FT_CHECKPOINT_S), so that none of them
+        goes on to the next quorum, which waits for all of the group's processes, while it writes."""
+        super().write_checkpoint(path, step, config_hash, states, plan)
+        if self.group.size > 1:
+            key = f"mecefo/checkpoint/{step}"
+            if self.group.rank == 0:
+                self.group.store.set(key, "written")
+            else:
+                try:
+                    self.group.store.wait([key], timedelta(seconds=CHECKPOINT_S))
+                except (RuntimeError, TimeoutError):
+                    raise TrainingStopped(f"rank {self.rank}: the group's checkpoint of step {step} was not written "
+                                          f"within {CHECKPOINT_S:g} s (MECEFO_FT_CHECKPOINT_S)") from None
 
     def peer_failed(self) -> bool:
         """The group's answer: any of its processes saw a peer fail (its shard of the exchange, and so the
@@ -404,7 +514,10 @@ class FtShardedCluster(FtCluster):
             else:
                 _local(p.grad).copy_(local)
         self.normalise(plan.counts(len(self.model.layers)))
-        return StepResult(flat[-2].item() / max(flat[-1].item(), 1e-12), plan.samples())
+        loss = flat[-2].item() / max(flat[-1].item(), 1e-12)
+        if not _all_in_group(self.manager.errored() is None, self.device):  # each process has its own exchange: if one
+            loss = float("nan")  # failed, every process of the group must take the same branch (abort: the step is void)
+        return StepResult(loss, plan.samples())
 
     # ------------------------------------------------------------------ agreement
     def agreement(self) -> dict:
@@ -439,6 +552,37 @@ def _all_in_group(ok: bool, device: torch.device) -> bool:
     flag = torch.tensor([int(ok)], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
+
+
+def _fails_once(recv):
+    """A checkpoint transport's recv_checkpoint that fails the first time (FAULT_HEAL)."""
+    calls = []
+
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError(f"an injected failure of this process's heal ({FAULT_HEAL})")
+        return recv(*args, **kwargs)
+
+    return wrapped
+
+
+def _min_in_group(values: list[int], device: torch.device) -> list[int]:
+    """Each value's minimum over this replica group's processes (one collective of the group)."""
+    import torch.distributed as dist
+
+    t = torch.tensor(values, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return [int(v) for v in t.tolist()]
+
+
+def _count_in_group(ok: bool, device: torch.device) -> int:
+    """In how many processes of this replica group ok holds (a collective of the group)."""
+    import torch.distributed as dist
+
+    flag = torch.tensor([int(ok)], device=device)
+    dist.all_reduce(flag)
+    return int(flag.item())
 
 
 def rows_of(piece: Piece, j: int, k: int) -> Piece | None:
@@ -564,7 +708,7 @@ def replica(cfg, out: Path, rank: int, lighthouse: str, min_step_s: float, wait_
     group = join_group(cfg.cluster.shard, device)
     training = Run(cfg, out, device, rank, quiet=group.rank != 0, run_dir=out, lighthouse=lighthouse,
                    min_step_s=min_step_s, wait_for=wait_for, rejoin=rejoin, group=group)
-    resume = (out / "checkpoint.pt").exists()
+    resume = (out / "checkpoint.pt").exists() and not rejoin  # a restarted replica heals from a live peer instead
     if cfg.cluster.shard == "fsdp":  # one answer for the group (another group may be writing the first checkpoint)
         resume = _all_in_group(resume, device)
     try:
@@ -577,7 +721,34 @@ def replica(cfg, out: Path, rank: int, lighthouse: str, min_step_s: float, wait_
         training.cluster.close()
 
 
+def spare() -> int:
+    """A replica process started ahead of need by mecefo.launch (`python -m mecefo.ft --out OUT --spare`): it pays the
+    interpreter's start, the imports and torch's first-optimizer import of its compiler (about 3 s here, before any
+    failure), then waits on its standard input for one line, {"argv", "env", "log"}: the command line, the
+    environment and the log file of the replica it becomes. End of input: not needed, it exits."""
+    import torch._dynamo  # noqa: F401  (what torch.optim's first optimizer imports, ~1 s)
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    import torchft  # noqa: F401
+
+    from . import train  # noqa: F401
+
+    line = sys.stdin.readline()
+    if not line:
+        return 0
+    job = json.loads(line)
+    os.environ.update(job["env"])
+    log = os.open(job["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    return main(job["argv"])
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--spare" in argv:
+        return spare()
     parser = argparse.ArgumentParser(prog="python -m mecefo.ft", description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--out", required=True)
     parser.add_argument("--replica", type=int, required=True)

@@ -9,19 +9,23 @@ supervisor that follows the committed step. The kill plan comes from the failure
 for mecefo.train: a scenario at cluster.seconds_per_step, or a trace; a rank failed at step s is killed
 once step s is reached, and restarted at its recovery step) and from --kill R:S[:S2] (kill rank R at step
 S and, with S2, restart it once step S2 is committed) or --kill R:heal (kill rank R while it is healing,
-the next time it heals; it is restarted at once; the kill lands while it applies the state received from a peer: torchft calls our loader
-after the transfer). A restarted process heals from a live peer and rejoins. With --shard fsdp --group_size K
-each rank is a replica group of K processes sharding the model (mecefo.ft.FtShardedCluster): a kill takes the
-whole group (a node lost), --kill R/J:S[:S2] kills its process J only, and a group missing any process is
-taken down and restarted. Every process started here is
+the next time it heals; it is restarted at once; the kill lands while it applies the state received from a
+peer: torchft calls our loader after the transfer), and --chaos SEED[:RATE] draws random events (mecefo.chaos:
+kills, simultaneous kills, kills while healing or writing, stalls, the lighthouse killed and restarted). A
+restarted process heals from a live peer and rejoins. With --shard fsdp --group_size K each rank is a replica
+group of K processes sharding the model (mecefo.ft.FtShardedCluster): a kill takes the whole group (a node
+lost), --kill R/J:S[:S2] kills its process J only, and a group missing any process is taken down and
+restarted. A replica killed by anyone's signal is restarted at once; one that crashes (an exit status other
+than 2, bad input, and 3, cannot go on) is restarted up to --max_restarts times. Every process started here is
 killed on exit, Ctrl-C included. If every replica is dead at once, the run stops (exit 3) with the last
 checkpoint intact; `--resume` continues from it.
 
 Outputs in DIR, merged from the replicas' files in the trainer's record schema (mecefo.records):
 metrics.jsonl (the step-0 evaluation, then one row per committed step: loss, lr, gradient norm, the ranks
 down, who covered whom, samples; the replica and its wall clock under "backend"), summary.json (the kills
-and recovery timings under "backend"), events.json (kills, restarts and exits, when each rank healed, and
-the recovery timings), failed_steps.json (the ranks down at every step, for the simulated twin:
+and recovery timings under "backend", and the restarted ranks that did not rejoin before the end, with what
+they were doing), events.json (kills, restarts, exits, chaos events and every change of a replica's status,
+when each rank healed, and the recovery timings), failed_steps.json (the ranks down at every step, for the simulated twin:
 `python -m mecefo.train ... --failures steps:DIR/failed_steps.json`), and replicas/ (each replica's rows,
 heals, summary, status and log). OUT/run.lock holds the launcher's pid while it runs.
 """
@@ -36,14 +40,14 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import chaos, failures
 from . import config as config_mod
-from . import failures
 from .errors import BAD_INPUT, CANNOT_GO_ON, TrainingStopped, UsageError, guarded
-from .records import atomic_write_json, atomic_write_text, git_commit
+from .liveness import read_status
+from .records import atomic_write_json, atomic_write_text, git_commit, read_rows
 
 POLL_S = 0.02
 # How long the lighthouse waits for a live (heartbeating) replica that has not asked for the quorum yet before
@@ -52,6 +56,11 @@ POLL_S = 0.02
 # form the moment one other peer arrived, leaving the third out by milliseconds, which then had to heal: the
 # replicas took turns healing every 2-3 steps for ever (measured). Below the quorum timeout (MECEFO_FT_TIMEOUT_S).
 JOIN_TIMEOUT_MS = int(os.environ.get("MECEFO_FT_LIGHTHOUSE_JOIN_MS", "20000"))
+HEARTBEAT_TIMEOUT_MS = 1000  # a replica whose manager has not heartbeated for this long is dead to the lighthouse
+TRAINING = ("step", "evaluating", "checkpointing")  # the statuses of a replica that trains (status word, then its step)
+SPARES = 2  # default --spares on the CPU, per process of a replica group (a kill of several ranks takes several)
+SPARE_BACKOFF_S = 10.0
+MAX_RESTARTS = 3  # default --max_restarts: restarts of a rank after a crash (a non-signal exit other than 2 and 3)
 
 
 # what a replica must not inherit from the launcher's environment: a caller's torchrun (its store and ranks) or
@@ -64,21 +73,83 @@ INHERITED_NOT = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK
 class Kill:
     rank: int
     at_step: int | None  # kill once this step is committed (None: while healing)
-    restart_step: int | None  # restart once this step is committed (None: never)
+    restart_step: int | None  # restart once this step is committed (None: never, unless restart_at)
     done: bool = False
     restarted: bool = False
     process: int | None = None  # one process of the rank's replica group (None: the whole group)
+    restart_at: float | None = None  # restart at this time (time.monotonic()), whatever the step
+    what: str = "kill"  # kill | stall (SIGSTOP for `seconds`, then SIGCONT) | lighthouse (rank None; back after
+    seconds: float | None = None  # `seconds`, None: never)
+
+
+def _lighthouse_binary() -> str:
+    """torchft's torchft_lighthouse, installed beside this interpreter (a virtual environment's bin/) or on PATH."""
+    import shutil
+
+    beside = Path(sys.executable).with_name("torchft_lighthouse")
+    found = str(beside) if beside.exists() else shutil.which("torchft_lighthouse")
+    if found is None:
+        raise UsageError("torchft's torchft_lighthouse is not installed (pip install -r requirements.txt)")
+    return found
+
+
+class Lighthouse:
+    """torchft's lighthouse as a process of its own (torchft's torchft_lighthouse), listening on 127.0.0.1 (one
+    node), dying with the launcher; a chaos event can SIGKILL it and start a new one on the same address (its
+    quorums and heartbeats are gone, as after a crash). Its log: OUT/lighthouse.log."""
+
+    def __init__(self, out: Path):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.address, self.log, self.proc = f"http://127.0.0.1:{self.port}", out / "lighthouse.log", None
+        self.start()
+        deadline = time.monotonic() + 60
+        while read_status(self.address, timeout_s=0.5) is None:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise TrainingStopped(f"torchft's lighthouse did not start on {self.address} (see {self.log})")
+            time.sleep(0.05)
+
+    def start(self) -> None:
+        with open(self.log, "a") as log:
+            self.proc = subprocess.Popen(
+                [_lighthouse_binary(), "--bind", f"127.0.0.1:{self.port}", "--min_replicas", "1", "--join_timeout_ms", str(JOIN_TIMEOUT_MS),
+                 "--quorum_tick_ms", "20", "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS)],
+                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")},
+                start_new_session=True, preexec_fn=_die_with_parent)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+    def shutdown(self) -> None:
+        self.kill()
 
 
 @dataclass
 class Supervisor:
+    """Starts the replicas, follows them through their status files (OUT/replicas/rank<r>.status: what each is
+    doing, and the step it committed), kills and restarts them on the kill plan and the chaos events, restarts
+    a rank that dies of anyone's signal at once and one that crashes within --max_restarts, and stops the launch
+    when a replica stops on bad input (2) or cannot go on (3), or when every replica is dead."""
+
     cfg: object
     out: Path
-    lighthouse: str
+    lighthouse: Lighthouse
     kills: list[Kill]
     min_step_s: float
     quiet: bool = False
     group_size: int = 1  # processes per replica group (--group_size)
+    max_restarts: int = MAX_RESTARTS
+    chaos: object = None  # a mecefo.chaos.Punisher
     procs: dict = field(default_factory=dict)  # rank -> its group's Popens
     events: list = field(default_factory=list)
     t0: float = field(default_factory=time.time)
@@ -86,6 +157,17 @@ class Supervisor:
     rejoining: set = field(default_factory=set)  # restarted ranks that have not trained yet
     gpus: int = 0  # CUDA devices on this node (processes are placed round-robin)
     stores: dict = field(default_factory=dict)  # rank -> its group's store (hosted here, on loopback)
+    stalled: dict = field(default_factory=dict)  # rank -> when to SIGCONT it (time.monotonic())
+    crashes: dict = field(default_factory=dict)  # rank -> crashes so far
+    lighthouse_back_at: float | None = None
+    lighthouse_down: bool = False  # killed for good (--kill lighthouse:STEP): not restarted when found dead
+    seen: dict = field(default_factory=dict)  # rank -> the last status word observed
+    observed: dict = field(default_factory=dict)  # rank -> its status file's words, as last read (or written here)
+    n_spares: int = 0  # processes kept started ahead of need (--spares)
+    spares: list = field(default_factory=list)  # their Popens
+    spare_backoff_until: float = 0.0  # after a spare died unassigned: start the next one no sooner
+    first_step: int = 0  # the step this launch starts from (a restart before any commit is a start)
+    wait_for: int = 1  # the replicas the run's first step waits for
 
     def log(self, msg: str, **event) -> None:
         if event:
@@ -93,40 +175,131 @@ class Supervisor:
         if not self.quiet:
             print(f"[launch {time.time() - self.t0:7.2f}s] {msg}", flush=True)
 
+    # ------------------------------------------------------------------ what the replicas say
+    def read_statuses(self) -> dict[int, list[str]]:
+        """Each replica's status file, split: [what, (step,) time]; the launcher writes 'starting' at a start."""
+        found = {}
+        for r in range(self.cfg.cluster.ranks):
+            try:
+                words = (self.out / "replicas" / f"rank{r}.status").read_text().split()
+            except OSError:
+                continue
+            if words:
+                found[r] = words
+        return found
+
+    def observe(self) -> dict[int, list[str]]:
+        """Read the statuses, follow the committed step, and record every change of what a replica does."""
+        statuses = self.read_statuses()
+        for r, words in statuses.items():
+            if words[0] in TRAINING and len(words) > 1 and words[1].isdigit():
+                self.furthest = max(self.furthest, int(words[1]))
+            elif words[0] == "finished":
+                self.furthest = max(self.furthest, self.cfg.train.steps)
+            if self.seen.get(r) != words[0]:
+                self.seen[r] = words[0]
+                self.events.append({"time": time.time(), "kind": "status", "rank": r, "status": words[0],
+                                    "step": self.furthest})
+        self.observed = statuses
+        return statuses
+
+    def committed(self) -> int:
+        """The highest step any replica has committed (from the statuses last observed)."""
+        return self.furthest
+
+    def statuses(self) -> dict[int, str]:
+        return {r: words[0] for r, words in self.observed.items()}
+
+    def training(self) -> list[int]:
+        """Ranks that hold the run's state: their processes run, not stalled, past their heal (or never restarted)."""
+        return sorted(r for r in self.procs if r not in self.stalled and r not in self.rejoining
+                      and self.statuses().get(r) in TRAINING)
+
+    def has_checkpoint(self) -> bool:
+        return (self.out / "checkpoint.pt").exists()
+
+    # ------------------------------------------------------------------ verbs (the kill plan's and chaos')
     def start(self, rank: int, why: str, wait_for: int = 1) -> None:
         """Start rank's replica: one process, or with --group_size K a group of K meeting at a store hosted here."""
         atomic_write_text(self.out / "replicas" / f"rank{rank}.status", f"starting {time.time():.3f}\n")  # not the dead one's
-        env = {k: v for k, v in os.environ.items() if k not in INHERITED_NOT}  # not a caller's torchrun's, nor
-        env |= {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),   # an opening of the servers: one node
-                "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
-        if sys.platform == "linux":  # one node: gloo's sockets on the loopback too (it otherwise takes the hostname's)
-            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        self.observed[rank] = ["starting"]  # (what this tick read was the dead process's)
+        env = self.replica_env()
         if self.group_size > 1 or self.cfg.cluster.shard == "fsdp":
             from .ft import _store
 
             self.stores[rank] = _store("127.0.0.1", "127.0.0.1")  # a fresh one per start: no key of a dead group
             env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.stores[rank].port), "WORLD_SIZE": str(self.group_size)}
-        extra = ["--rejoin"] if why != "initial" else ["--wait-for", str(wait_for)]
-        group = []
+        argv = ["--out", str(self.out), "--replica", str(rank), "--lighthouse", self.lighthouse.address,
+                "--min-step-s", str(self.min_step_s)] + (["--rejoin"] if why != "initial" else ["--wait-for", str(wait_for)])
+        group, spared = [], 0
         for j in range(self.group_size):
             if self.gpus and "CUDA_VISIBLE_DEVICES" not in os.environ:  # one GPU per process on this node
                 env["CUDA_VISIBLE_DEVICES"] = str((rank * self.group_size + j) % self.gpus)
+            mine = env | {"RANK": str(j), "LOCAL_RANK": str(j)}
+            spare = self.take_spare() if why != "initial" else None
+            if spare is not None:  # it becomes this process (its imports done)
+                try:
+                    spare.stdin.write(json.dumps({"argv": argv, "env": mine, "log": str(self.out / "replicas" /
+                                                                                         _log_name(rank, j))}) + "\n")
+                    spare.stdin.close()
+                    group.append(spare)
+                    spared += 1
+                    continue
+                except OSError:  # it died since: a fresh process instead
+                    spare.kill()
+                    spare.wait()
             log = open(self.out / "replicas" / _log_name(rank, j), "a")
-            group.append(subprocess.Popen(
-                [sys.executable, "-m", "mecefo.ft", "--out", str(self.out), "--replica", str(rank),
-                 "--lighthouse", self.lighthouse, "--min-step-s", str(self.min_step_s)] + extra,
-                stdout=log, stderr=subprocess.STDOUT, env=env | {"RANK": str(j), "LOCAL_RANK": str(j)},
-                start_new_session=True, preexec_fn=_die_with_parent))
+            group.append(subprocess.Popen([sys.executable, "-m", "mecefo.ft", *argv], stdout=log, stderr=subprocess.STDOUT,
+                                          env=mine, start_new_session=True, preexec_fn=_die_with_parent))
             log.close()  # the child holds its own descriptor
         self.procs[rank] = group
+        self.seen.pop(rank, None)
         for k in self.kills:  # every earlier kill of the rank is answered by this start
             if k.rank == rank and k.done:
                 k.restarted = True
-        self.log(f"started rank {rank} (pid {' '.join(str(p.pid) for p in group)}, {why})", kind="start", rank=rank,
-                 why=why, step=self.committed())
+        if why != "initial":
+            self.rejoining.add(rank)
+        self.log(f"started rank {rank} (pid {' '.join(str(p.pid) for p in group)}, {why}"
+                 + (f", {spared} from spares" if spared else "") + ")", kind="start", rank=rank, why=why, spares=spared,
+                 step=self.committed())
+
+    def replica_env(self) -> dict:
+        """The environment every replica process starts from: the launcher's, less a caller's torchrun and any
+        opening of the servers (one node: everything on the loopback)."""
+        env = {k: v for k, v in os.environ.items() if k not in INHERITED_NOT}
+        env |= {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
+        if sys.platform == "linux":  # gloo's sockets on the loopback too (it otherwise takes the hostname's)
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        return env
+
+    def take_spare(self):
+        """A spare process still alive and waiting (None: none)."""
+        while self.spares:
+            spare = self.spares.pop(0)
+            if spare.poll() is None:
+                return spare
+        return None
+
+    def keep_spares(self) -> None:
+        """Start a spare when fewer than --spares wait, once training runs and no restart is under way (a spare's
+        start would slow it on a busy node); after one died unassigned, not for SPARE_BACKOFF_S."""
+        alive = [p for p in self.spares if p.poll() is None]
+        if len(alive) < len(self.spares):
+            self.log(f"a spare process died unassigned (see {self.out / 'replicas' / 'spares.log'})", kind="spare_died")
+            self.spare_backoff_until = time.monotonic() + SPARE_BACKOFF_S
+        self.spares = alive
+        if (len(self.spares) < self.n_spares and self.committed() >= 1 and not self.rejoining
+                and time.monotonic() >= self.spare_backoff_until):
+            with open(self.out / "replicas" / "spares.log", "a") as log:
+                self.spares.append(subprocess.Popen(
+                    [sys.executable, "-m", "mecefo.ft", "--out", str(self.out), "--spare"], stdin=subprocess.PIPE, text=True,
+                    stdout=log, stderr=subprocess.STDOUT, env=self.replica_env(), start_new_session=True,
+                    preexec_fn=_die_with_parent))
 
     def kill(self, rank: int, why: str, process: int | None = None) -> None:
         """SIGKILL rank's replica group (process None), or one process of it, which then takes the group down."""
+        if rank not in self.procs:
+            return
         if process is not None and len(self.procs[rank]) > 1:
             self.procs[rank][process].send_signal(signal.SIGKILL)
             self.procs[rank][process].wait()
@@ -136,105 +309,176 @@ class Supervisor:
         for proc in self.procs.pop(rank):
             proc.send_signal(signal.SIGKILL)
             proc.wait()
+        self.stalled.pop(rank, None)
         self.log(f"killed rank {rank} with SIGKILL at step {self.committed()} ({why})", kind="kill", rank=rank,
                  why=why, step=self.committed())
 
-    def take_down(self, rank: int, dead: int, code: int) -> None:
-        """A process of rank's group died of a signal: the group cannot go on without its shards, so its
-        other processes are killed too (a node lost); the kill plan, or else an immediate restart, brings it back."""
+    def restart_after(self, rank: int, seconds: float) -> None:
+        """Restart rank (killed) after `seconds`, as a node replaced."""
+        self.kills.append(Kill(rank, None, None, done=True, restart_at=time.monotonic() + seconds))
+
+    def kill_unplanned(self, rank: int) -> None:
+        """SIGKILL rank's first process behind the plan's back (as an OOM killer would): the next poll sees an
+        unplanned death."""
+        if rank in self.procs and self.procs[rank][0].poll() is None:
+            self.procs[rank][0].send_signal(signal.SIGKILL)
+
+    def stall(self, rank: int, seconds: float) -> None:
+        """SIGSTOP rank's processes, SIGCONT after `seconds` (a straggler)."""
+        for proc in self.procs.get(rank, ()):
+            proc.send_signal(signal.SIGSTOP)
+        self.stalled[rank] = time.monotonic() + seconds
+
+    def restart_lighthouse(self, seconds: float | None) -> None:
+        """SIGKILL the lighthouse; start a new one on its address after `seconds` (None: never)."""
+        self.lighthouse.kill()
+        self.lighthouse_back_at = time.monotonic() + seconds if seconds is not None else None
+        self.lighthouse_down = seconds is None
+        self.log("lighthouse killed", kind="lighthouse", what="killed", step=self.committed())
+
+    def take_down(self, rank: int, dead: int, code: int, unplanned: bool) -> None:
+        """A process of rank's group died: the group cannot go on without its shards, so its other processes are
+        killed too (a node lost); the kill plan, or else an immediate restart, brings it back."""
         for proc in self.procs.pop(rank):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
                 proc.wait()
-        what = f"process {dead} died (signal {-code}); its group killed" if self.group_size > 1 else f"killed by signal {-code}"
-        self.log(f"rank {rank} down: {what}", kind="down", rank=rank, process=dead, step=self.committed())
+        self.stalled.pop(rank, None)
+        what = f"process {dead} died ({_how(code)}); its group killed" if self.group_size > 1 else _how(code)
+        self.log(f"rank {rank} down: {what}", kind="down", rank=rank, process=dead, code=code, unplanned=unplanned,
+                 step=self.committed())
 
-    def committed(self) -> int:
-        """The highest step any replica has committed (from the replicas' status files)."""
-        for path in (self.out / "replicas").glob("rank*.status"):
-            try:
-                what = path.read_text().split()
-            except OSError:
-                continue
-            if what and what[0] == "step":
-                self.furthest = max(self.furthest, int(what[1]))
-            elif what and what[0] == "finished":
-                self.furthest = max(self.furthest, self.cfg.train.steps)
-        return self.furthest
-
-    def training(self, rank: int) -> bool:
-        try:
-            return (self.out / "replicas" / f"rank{rank}.status").read_text().startswith(("step", "finished"))
-        except OSError:
-            return False
-
-    def healing(self, rank: int) -> bool:
-        try:
-            return (self.out / "replicas" / f"rank{rank}.status").read_text().startswith("healing")
-        except OSError:
-            return False
-
+    # ------------------------------------------------------------------ the loop
     def run(self, initially_down: frozenset[int]) -> None:
         n, steps = self.cfg.cluster.ranks, self.cfg.train.steps
+        self.first_step, self.wait_for = self.furthest, n - len(initially_down)
         for r in range(n):
             if r not in initially_down:
-                self.start(r, "initial", wait_for=n - len(initially_down))
+                self.start(r, "initial", wait_for=self.wait_for)
         while True:
-            step = self.committed()
-            for k in self.kills:
-                if not k.done and k.rank in self.procs and (
-                        (k.at_step is not None and step >= k.at_step) or (k.at_step is None and self.healing(k.rank))):
-                    self.kill(k.rank, "while healing" if k.at_step is None else f"scheduled at step {k.at_step}", k.process)
-                    k.done = True
-                if (k.done and not k.restarted and k.restart_step is not None and step >= k.restart_step
-                        and k.rank not in self.procs):
-                    if step < steps and self.procs:
-                        self.start(k.rank, "restart after a kill")
-                        self.rejoining.add(k.rank)
-                    k.restarted = True
-            for r, group in list(self.procs.items()):
-                codes = [proc.poll() for proc in group]
-                killed = [j for j, code in enumerate(codes) if code is not None and code < 0]
-                if killed:  # a process of the group died of a signal (ours, or anyone's): the group is down
-                    self.take_down(r, killed[0], codes[killed[0]])
-                    if not any(k.rank == r and k.done and not k.restarted for k in self.kills):  # nobody plans its
-                        self.kills.append(Kill(r, None, 0, done=True))  # return: restarted at once, as a node replaced
-                    continue
-                for j, code in enumerate(codes):
-                    if code is not None and code != 0:  # not one of ours (ours are removed from procs before the SIGKILL)
-                        self.log(f"rank {r} exited with status {code}", kind="exit", rank=r, process=j, code=code)
-                        self.stop_with(r, code, j)  # bad input, a non-finite loss, a crash: the others would follow
-                if all(code == 0 for code in codes):
-                    del self.procs[r]
-            self.rejoining = {r for r in self.rejoining if r in self.procs and not self.training(r)}
+            self.tick()
+            statuses = self.statuses()
+            self.rejoining = {r for r in self.rejoining if r in self.procs and statuses.get(r) not in (*TRAINING, "finished")}
             if not set(self.procs) - self.rejoining:  # nobody left who trains (a restarted one cannot heal)
                 if self.committed() >= steps:
                     self.stop()  # a replica still waiting to rejoin a finished run
                     return
                 raise TrainingStopped(
-                    f"all {n} replicas are dead at step {step}; nobody is left to heal the others. The last "
-                    f"checkpoint in {self.out} is intact (if train.checkpoint_every wrote one); continue with --resume")
+                    f"all {n} replicas are dead at step {self.committed()}; nobody is left to heal the others"
+                    f"{self.last_crash()}. " + self.after_stop())
             time.sleep(POLL_S)
+
+    def tick(self) -> None:
+        """One look at the replicas: the plan's and chaos' kills and restarts, stalls ending, the lighthouse back,
+        and every exit handled."""
+        now, steps = time.monotonic(), self.cfg.train.steps
+        statuses = self.observe()
+        step = self.committed()
+        for k in self.kills:
+            if k.what != "kill":
+                if not k.done and step >= k.at_step and (k.rank is None or k.rank in self.procs):
+                    k.done = k.restarted = True
+                    if k.what == "stall":
+                        self.log(f"stopped rank {k.rank} for {k.seconds:g} s at step {step} (planned)", kind="stall",
+                                 rank=k.rank, seconds=k.seconds, step=step)
+                        self.stall(k.rank, k.seconds)
+                    else:
+                        self.restart_lighthouse(k.seconds)
+                continue
+            healing = statuses.get(k.rank, [""])[0] == "healing"
+            if not k.done and k.rank in self.procs and (
+                    (k.at_step is not None and step >= k.at_step) or (k.at_step is None and healing)):
+                self.kill(k.rank, "while healing" if k.at_step is None else f"scheduled at step {k.at_step}", k.process)
+                k.done = True
+            due = ((k.restart_step is not None and step >= k.restart_step) or
+                   (k.restart_at is not None and now >= k.restart_at))
+            if k.done and not k.restarted and due and k.rank not in self.procs:
+                if step < steps and self.procs:
+                    if step > self.first_step:
+                        self.start(k.rank, "restart after a kill")
+                    else:  # nothing committed yet: the others wait for it as one of the run's first replicas
+                        self.start(k.rank, "initial", wait_for=self.wait_for)
+                k.restarted = True
+        for r, until in list(self.stalled.items()):
+            if now >= until:
+                for proc in self.procs.get(r, ()):
+                    proc.send_signal(signal.SIGCONT)
+                del self.stalled[r]
+        if self.lighthouse_back_at is not None and now >= self.lighthouse_back_at:
+            self.lighthouse.restart()
+            self.lighthouse_back_at = None
+            self.log("lighthouse restarted on the same address", kind="lighthouse", what="restarted", step=step)
+        elif self.lighthouse_back_at is None and not self.lighthouse_down and self.lighthouse.proc.poll() is not None:
+            self.log(f"the lighthouse died (exit status {self.lighthouse.proc.returncode}, see {self.lighthouse.log}); "
+                     "restarted on the same address", kind="lighthouse", what="died", step=step)
+            self.lighthouse.restart()
+        if self.chaos is not None:
+            self.chaos.poll(self, now)
+        self.keep_spares()
+        for r, group in list(self.procs.items()):
+            codes = [proc.poll() for proc in group]
+            dead = [j for j, code in enumerate(codes) if code is not None and code != 0]
+            if not dead:
+                if all(code == 0 for code in codes):  # finished (or the run finished before it could rejoin)
+                    del self.procs[r]
+                    self.furthest = max(self.furthest, steps)
+                continue
+            j, code = dead[0], codes[dead[0]]
+            if code in (BAD_INPUT, CANNOT_GO_ON):
+                self.log(f"rank {r} exited with status {code}", kind="exit", rank=r, process=j, code=code)
+                self.stop_with(r, code, j)  # bad input, or it cannot go on: the others would follow
+            planned = any(k.rank == r and k.done and not k.restarted for k in self.kills)
+            self.take_down(r, j, code, unplanned=not planned)
+            if code > 0:  # a crash (a CUDA or NCCL error, an exception): restarted within the budget
+                self.crashes[r] = self.crashes.get(r, 0) + 1
+                self.log(f"rank {r} crashed ({self.line_of(r, j)}); restart {self.crashes[r]} of {self.max_restarts}",
+                         kind="crash", rank=r, process=j, code=code, line=self.line_of(r, j))
+                if self.crashes[r] > self.max_restarts:
+                    self.stop_with(r, code, j)
+            if not planned:  # nobody plans its return: restarted at once, as a node replaced
+                self.kills.append(Kill(r, None, 0, done=True))
+
+    def after_stop(self) -> str:
+        """What --resume does with the run folder a stopped launch leaves."""
+        from . import checkpoint
+
+        path = self.out / "checkpoint.pt"
+        if not path.exists():
+            return f"No checkpoint was written yet (train.checkpoint_every); --resume starts the run in {self.out} over"
+        return f"The checkpoint of step {checkpoint.read(path)['step']} in {self.out} is intact; --resume continues from it"
+
+    def line_of(self, rank: int, process: int = 0) -> str:
+        log = self.out / "replicas" / _log_name(rank, process)
+        lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
+        return lines[-1].strip() if lines else "(no output)"
+
+    def last_crash(self) -> str:
+        crash = next((e for e in reversed(self.events) if e["kind"] == "crash"), None)
+        return "" if crash is None else f" (the last to die, rank {crash['rank']}, crashed: {crash['line']})"
 
     def stop_with(self, rank: int, code: int, process: int = 0) -> None:
         """Stop the run with the one line the replica stopped with: its log's 'error: ' line (bad input, exit 2),
-        its 'stopped: ' line (exit 3), or for anything else (a crash) its last line and where its log is."""
+        its 'stopped: ' line (exit 3), or for a crash past its restarts its last line and where its log is."""
         log = self.out / "replicas" / _log_name(rank, process)
         lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
         if code in (BAD_INPUT, CANNOT_GO_ON):
             prefix, error = ("error: ", UsageError) if code == BAD_INPUT else ("stopped: ", TrainingStopped)
             raise error(next((f"rank {rank}: " + ln[len(prefix):] for ln in reversed(lines) if ln.startswith(prefix)),
                              f"rank {rank} exited with status {code}"))
-        last = lines[-1].strip() if lines else "(no output)"
-        raise TrainingStopped(f"rank {rank} died (exit status {code}): {last} (see {log}); the last checkpoint in "
-                              f"{self.out} is intact, --resume continues")
+        raise TrainingStopped(f"rank {rank} died (exit status {code}) {self.crashes.get(rank, 0)} times, more than "
+                              f"--max_restarts {self.max_restarts}: {self.line_of(rank, process)} (see {log}). "
+                              + self.after_stop())
 
     def stop(self) -> None:
-        for group in self.procs.values():
-            for proc in group:
-                proc.send_signal(signal.SIGKILL)
-                proc.wait()
+        for proc in [p for group in self.procs.values() for p in group] + self.spares:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
         self.procs.clear()
+        self.spares.clear()
+
+
+def _how(code: int) -> str:
+    return f"killed by signal {-code}" if code < 0 else f"exit status {code}"
 
 
 def _log_name(rank: int, process: int) -> str:
@@ -271,6 +515,16 @@ def kill_plan(schedule: failures.Schedule, explicit: list[str], n: int,
         kills.append(Kill(r, 0, back, done=True))
     for spec in explicit:
         parts = spec.split(":")
+        if parts[0] == "lighthouse":
+            try:
+                at, down = int(parts[1]), float(parts[2]) if len(parts) == 3 else None
+                if len(parts) not in (2, 3) or at < 1 or (down is not None and not (math.isfinite(down) and down >= 0)):
+                    raise ValueError
+            except (ValueError, IndexError):
+                raise UsageError(f"--kill {spec!r}: expected lighthouse:STEP[:SECONDS] (STEP >= 1; restarted after "
+                                 "SECONDS, never without)") from None
+            kills.append(Kill(None, at, None, what="lighthouse", seconds=down))
+            continue
         try:
             who, _, process = parts[0].partition("/")
             rank = int(who)
@@ -293,16 +547,40 @@ def kill_plan(schedule: failures.Schedule, explicit: list[str], n: int,
     return kills, down0
 
 
+def stall_plan(specs: list[str], n: int) -> list[Kill]:
+    """--stall RANK:STEP:SECONDS: SIGSTOP rank's processes once STEP is committed, SIGCONT SECONDS later."""
+    stalls = []
+    for spec in specs:
+        try:
+            rank, at, seconds = spec.split(":")
+            stalls.append(Kill(int(rank), int(at), None, what="stall", seconds=float(seconds)))
+        except ValueError:
+            raise UsageError(f"--stall {spec!r}: expected RANK:STEP:SECONDS") from None
+        k = stalls[-1]
+        if not (0 <= k.rank < n and k.at_step >= 1 and math.isfinite(k.seconds) and k.seconds > 0):
+            raise UsageError(f"--stall {spec!r}: the rank must be in 0..{n - 1}, STEP at least 1, SECONDS positive")
+    return stalls
+
+
+def _holds_run_of(out: Path, cfg) -> bool:
+    """Whether OUT/config.json is this config's (a launch of it started there)."""
+    try:
+        return json.loads((out / "config.json").read_text()).get("config_hash") == cfg.hash()
+    except (OSError, ValueError):
+        return False
+
+
 def resume_point(out: Path, cfg) -> int:
-    """The checkpoint's step (its config must be this run's); the replicas' rows and heals after it, and
-    their summaries, are dropped, so that the steps redone from the checkpoint are not counted twice."""
+    """The checkpoint's step (its config must be this run's), or 0 for a run stopped before its first checkpoint
+    (it starts over, as mecefo.train's); the replicas' rows and heals after it, and their summaries, are dropped, so
+    that the steps redone are not counted twice."""
     from . import checkpoint
 
-    step = checkpoint.load(out / "checkpoint.pt", cfg.hash())["step"]
-    for path in [*(out / "replicas").glob("rank*.jsonl")]:
-        keep = [line for line in path.read_text().splitlines()
-                if json.loads(line).get("step", json.loads(line).get("healed_at_step", 0)) <= step]
-        atomic_write_text(path, "".join(line + "\n" for line in keep))
+    ckpt = out / "checkpoint.pt"
+    step = checkpoint.load(ckpt, cfg.hash())["step"] if ckpt.exists() or not _holds_run_of(out, cfg) else 0
+    for path in [*(out / "replicas").glob("rank*.jsonl")]:  # rows and heals; a torn line (a kill mid-write) dropped
+        keep = [row for row in read_rows(path)[0] if row.get("step", row.get("healed_at_step", 0)) <= step]
+        atomic_write_text(path, "".join(json.dumps(row) + "\n" for row in keep))
     for path in (out / "replicas").glob("rank*.summary.json"):
         path.unlink()
     return step
@@ -314,13 +592,13 @@ def merge(out: Path, cfg, events: list, t0: float | None = None) -> dict:
     recovery timings). events: the supervisor's (none for replicas started by hand); t0: when the launch
     started (None: the wall time runs from the first committed step to the last)."""
     n, steps = cfg.cluster.ranks, cfg.train.steps
-    rows, healed, per_rank = {}, [], {}
+    rows, healed, per_rank, torn = {}, [], {}, 0
     for r in range(n):
-        path = out / "replicas" / f"rank{r}.heals.jsonl"
-        healed += [{"rank": r, **json.loads(line)} for line in path.read_text().splitlines()] if path.exists() else []
-        path = out / "replicas" / f"rank{r}.jsonl"
-        for line in path.read_text().splitlines() if path.exists() else []:
-            row = json.loads(line)
+        found, dropped = read_rows(out / "replicas" / f"rank{r}.heals.jsonl")
+        healed, torn = healed + [{"rank": r, **h} for h in found], torn + dropped
+        found, dropped = read_rows(out / "replicas" / f"rank{r}.jsonl")  # a line torn by a kill mid-write is dropped:
+        torn += dropped  # its step is in the other replicas' rows (a step missing from all of them is refused below)
+        for row in found:
             first = rows.setdefault(row["step"], row)
             if row["step"] == 0:  # the evaluation before training: every replica that started at 0 made it
                 continue
@@ -346,48 +624,102 @@ def merge(out: Path, cfg, events: list, t0: float | None = None) -> dict:
     timings = recovery_times(events, rows, healed)
     atomic_write_json(out / "events.json", {"events": events, "healed": healed, "timings": timings})
     times = [rows[s]["backend"]["time"] for s in range(1, steps + 1)]
+    missing = not_rejoined(events, rows, max(times))
     happened = failures.logged(n, [frozenset(f) for f in failed], cfg.cluster.seconds_per_step)
     summary = finals[0] | {
         "final_train_loss": rows[steps]["loss"], "tokens_trained": rows[steps]["tokens_trained"],
         "rank_agreement": {"ranks_checked": [f["backend"]["rank"] for f in finals], "identical": identical},
         "failure_schedule": {"fraction_failed": happened.fraction_failed(), "events": happened.failure_events()},
         "wall_time_s": time.time() - t0 if t0 is not None else max(times) - min(times), "git_commit": git_commit(),
-        "backend": {"name": "torchft", "kills": sum(e["kind"] == "kill" for e in events), "timings": timings}}
+        "backend": {"name": "torchft", "kills": sum(e["kind"] == "kill" for e in events), "timings": timings,
+                    "not_rejoined": missing, "torn_lines_dropped": torn,
+                    "chaos": [e for e in events if e["kind"] == "chaos"]}}
     atomic_write_json(out / "summary.json", summary)
     if not identical:
         raise TrainingStopped(f"the live replicas ended with different parameters (ranks {summary['rank_agreement']})")
     return summary
 
 
+def _windows(events: list, kinds: tuple) -> list[tuple[dict, float]]:
+    """Each event of these kinds with the time its window ends: the rank's next kill, death or start, or the run's
+    next resume (a launch that stopped with every rank down), whichever comes first (inf: none)."""
+    found = []
+    for i, e in enumerate(events):
+        if e["kind"] in kinds:
+            found.append((e, next((x["time"] for x in events[i + 1:] if x["kind"] == "resume" or (
+                x.get("rank") == e["rank"] and x["kind"] in ("kill", "down", "start"))), float("inf"))))
+    return found
+
+
 def recovery_times(events: list, rows: dict, healed: list) -> dict:
-    """Seconds from each kill to the first committed step without the killed rank, and from each restart
-    to the first committed step the restarted rank took part in."""
+    """Seconds from each kill of a training rank (ours, or a death nobody planned, as the launcher saw it) to the next
+    committed step (the run's, before any resume), and from each restart to the first committed step the restarted rank took part in
+    (each within its window: before the rank's next kill or start, and before the run's next resume)."""
     committed = [rows[s] for s in sorted(rows) if s > 0]
     to_first_step, to_rejoin = [], []
+    resumes = [x["time"] for x in events if x["kind"] == "resume"]
     for e in events:
-        if e["kind"] == "kill":
-            after = [r["backend"]["time"] for r in committed if r["backend"]["time"] > e["time"] and e["rank"] in r["failed"]]
-            if after:
-                to_first_step.append(after[0] - e["time"])
-        if e["kind"] == "start" and e["why"] != "initial":
-            after = [r["backend"]["time"] for r in committed if r["backend"]["time"] > e["time"] and e["rank"] not in r["failed"]]
+        if not (e["kind"] == "kill" or (e["kind"] == "down" and e.get("unplanned"))):
+            continue
+        before = [r for r in committed if r["backend"]["time"] < e["time"]]
+        if not before or e["rank"] in before[-1]["down"]:
+            continue  # it did not train: its death costs no step
+        end = min((t for t in resumes if t > e["time"]), default=float("inf"))
+        after = [r["backend"]["time"] for r in committed if e["time"] < r["backend"]["time"] < end]
+        if after:
+            to_first_step.append(after[0] - e["time"])
+    for e, end in _windows(events, ("start",)):
+        if e["why"] != "initial":
+            after = [r["backend"]["time"] for r in committed if e["time"] < r["backend"]["time"] < end and e["rank"] not in r["down"]]
             if after:
                 to_rejoin.append(after[0] - e["time"])
     return {"kill_to_step_s": to_first_step, "restart_to_rejoin_s": to_rejoin}
 
 
+def not_rejoined(events: list, rows: dict, end: float) -> list[dict]:
+    """The restarts after which the rank took part in no committed step, and was neither killed nor restarted again
+    nor the run resumed: the rank, the step it was restarted at, how long before the run's last step, and its last
+    status (starting: its process was still starting; waiting: for a live peer or a quorum; healing)."""
+    committed = [rows[s] for s in sorted(rows) if s > 0]
+    missing = []
+    for e, until in _windows(events, ("start",)):
+        if e["why"] == "initial" or until < float("inf"):
+            continue
+        if any(r["backend"]["time"] > e["time"] and e["rank"] not in r["down"] for r in committed):
+            continue  # rejoined
+        seen = [x["status"] for x in events if x["kind"] == "status" and x.get("rank") == e["rank"] and x["time"] > e["time"]]
+        missing.append({"rank": e["rank"], "restarted_at_step": e["step"], "seconds_before_end": end - e["time"],
+                        "last_status": seen[-1] if seen else "starting"})
+    return missing
+
+
 def main(argv: list[str] | None = None, restore_signals: bool = True) -> int:
     """The launcher (restore_signals=False: as a process, Ctrl-C stays ignored after the clean-up, until exit)."""
     parser = argparse.ArgumentParser(prog="python -m mecefo.launch", description=__doc__.splitlines()[0], allow_abbrev=False,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=config_mod.fields_help())
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="--chaos events (mecefo.chaos):\n" + chaos.describe() + "\n\n" + config_mod.fields_help())
     parser.add_argument("--config")
     parser.add_argument("--out", required=True)
     parser.add_argument("--kill", action="append", default=[],
                         help="RANK:STEP (killed for good), RANK:STEP:RESTART_STEP, or RANK:heal (killed while healing, restarted); "
-                             "RANK/PROCESS:...: one process of the rank's replica group (the group goes down with it)")
+                             "RANK/PROCESS:...: one process of the rank's replica group (the group goes down with it); "
+                             "lighthouse:STEP[:SECONDS]: the lighthouse killed, a new one started after SECONDS (never without)")
+    parser.add_argument("--stall", action="append", default=[],
+                        help="RANK:STEP:SECONDS: SIGSTOP the rank's processes once STEP is committed, SIGCONT after SECONDS "
+                             "(a straggler)")
     config_mod.add_flag(parser, "group-size", type=int, default=1,
                         help="processes per replica group, FSDP2 sharding the model among them (needs --shard fsdp)")
     config_mod.add_flag(parser, "min-step-s", type=float, default=0.0, help="pace steps to at least this long (so kills land)")
+    parser.add_argument("--chaos", metavar="SEED[:RATE]",
+                        help=f"random failure events, RATE per minute (default {chaos.DEFAULT_RATE:g}), drawn from SEED "
+                             "(the kinds and their weights: below)")
+    config_mod.add_flag(parser, "spares", type=int, default=None,
+                        help="replica processes kept started ahead of need, which a restart takes over: a restarted rank "
+                             "skips the interpreter's start and the imports (about 3 s on 2 CPU cores); default: two per "
+                             "process of a replica group on the CPU, none on CUDA (where a process must see its GPU "
+                             "before torch first looks at CUDA)")
+    config_mod.add_flag(parser, "max-restarts", type=int, default=MAX_RESTARTS,
+                        help="restarts of a rank that crashes (exits with a status other than 2 and 3) before the launch stops")
     parser.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt")
     parser.add_argument("--prepare", action="store_true",
                         help="replicas started by hand (multi-node): check the config, write DIR/config.json and exit")
@@ -397,6 +729,7 @@ def main(argv: list[str] | None = None, restore_signals: bool = True) -> int:
 
     def launch() -> int:
         supervisor = lighthouse = locked = None
+        merged = False
         signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
         original = {sig: signal.getsignal(sig) for sig in signals}
         try:
@@ -405,8 +738,14 @@ def main(argv: list[str] | None = None, restore_signals: bool = True) -> int:
             args, rest = parser.parse_known_args(argv)
             if args.merge:
                 return merge_by_hand(Path(args.out), rest or args.config or args.kill or args.resume or args.prepare)
-            if args.prepare and args.kill:
-                raise UsageError("--prepare: replicas started by hand are killed by hand (or by your cluster), not --kill")
+            if args.prepare and (args.kill or args.chaos or args.stall):
+                raise UsageError("--prepare: replicas started by hand are killed by hand (or by your cluster), not by "
+                                 "--kill or --chaos")
+            punisher_args = chaos.parse(args.chaos) if args.chaos else None
+            if args.max_restarts < 0:
+                raise UsageError(f"--max_restarts {args.max_restarts} must be at least 0")
+            if args.spares is not None and args.spares < 0:
+                raise UsageError(f"--spares {args.spares} must be at least 0")
             trainer_flags, overrides = train_args(rest)
             if trainer_flags.stop_after is not None:
                 raise UsageError("mecefo.launch has no --stop_after: interrupt it (Ctrl-C) and continue with --resume")
@@ -417,8 +756,8 @@ def main(argv: list[str] | None = None, restore_signals: bool = True) -> int:
             out = Path(args.out)
             if (out / "replicas").exists() and not args.resume:
                 raise UsageError(f"{out} holds a run; pass --resume to continue it or choose another --out")
-            if args.resume and not (out / "checkpoint.pt").exists():
-                raise UsageError(f"--resume: no checkpoint in {out}")
+            if args.resume and not (out / "checkpoint.pt").exists() and not _holds_run_of(out, cfg):
+                raise UsageError(f"--resume: {out} holds no checkpoint and no run of this config")
             if not (math.isfinite(args.min_step_s) and args.min_step_s >= 0):
                 raise UsageError(f"--min_step_s {args.min_step_s} must be a finite, non-negative number of seconds")
             cc = cfg.cluster
@@ -435,11 +774,15 @@ def main(argv: list[str] | None = None, restore_signals: bool = True) -> int:
             import torch
 
             gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+            if gpus and args.spares:
+                raise UsageError(f"--spares {args.spares}: not on CUDA (a spare imports torch before it knows its GPU, "
+                                 "and torch reads CUDA_VISIBLE_DEVICES once); use --spares 0")
             if gpus and args.group_size > 1 and cc.ranks * args.group_size > gpus:
                 raise UsageError(f"{cc.ranks} ranks x --group_size {args.group_size} processes need as many GPUs on this "
                                  f"node (NCCL cannot share one between processes of a group); it has {gpus}")
             schedule = failures.for_run(cfg)
             kills, down0 = kill_plan(schedule, args.kill, cc.ranks, args.group_size)
+            kills += stall_plan(args.stall, cc.ranks)
             start_step = 0
             if args.resume:
                 start_step = resume_point(out, cfg)
@@ -462,27 +805,34 @@ def main(argv: list[str] | None = None, restore_signals: bool = True) -> int:
                       f"python -m mecefo.launch --out {out} --merge", flush=True)
                 return 0
             os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum at info
-            from torchft.coordination import LighthouseServer
-
-            lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=JOIN_TIMEOUT_MS, quorum_tick_ms=20,
-                                          heartbeat_timeout_ms=1000)
-            address = f"http://127.0.0.1:{urllib.parse.urlparse(lighthouse.address()).port}"  # (it names the host)
-            supervisor = Supervisor(cfg, out, address, kills, args.min_step_s, args.quiet, furthest=start_step,
-                                    group_size=args.group_size)
+            lighthouse = Lighthouse(out)
+            punisher = chaos.Punisher(*punisher_args, args.group_size, cfg.train.steps) if punisher_args else None
+            supervisor = Supervisor(cfg, out, lighthouse, kills, args.min_step_s, args.quiet, furthest=start_step,
+                                    group_size=args.group_size, max_restarts=args.max_restarts, chaos=punisher,
+                                    n_spares=(SPARES * args.group_size if device.type == "cpu" else 0)
+                                    if args.spares is None else args.spares)
             supervisor.gpus = gpus
+            if args.resume:  # the run's events so far (a launch that stopped wrote them), then this launch's
+                earlier = out / "events.json"
+                supervisor.events = json.loads(earlier.read_text())["events"] if earlier.exists() else []
+                supervisor.log(f"resumed from the checkpoint of step {start_step}", kind="resume", step=start_step)
             for sig in signals:  # Ctrl-C, a closed terminal, a scheduler's stop: all end the launch the same way (and
                 signal.signal(sig, _interrupt)  # SIGINT too where it was inherited ignored, as in a background job)
             supervisor.run(down0)
             summary = merge(out, cfg, supervisor.events, supervisor.t0)
-            t = summary["backend"]["timings"]
-            print(f"done: {summary['backend']['kills']} kills; val loss {summary['final_val_loss']:.4f}; kill -> first step without "
-                  f"the rank {_fmt(t['kill_to_step_s'])} s, restart -> rejoin {_fmt(t['restart_to_rejoin_s'])} s -> {out}", flush=True)
+            merged = True
+            t, missing = summary["backend"]["timings"], summary["backend"]["not_rejoined"]
+            print(f"done: {summary['backend']['kills']} kills; val loss {summary['final_val_loss']:.4f}; kill -> next step "
+                  f"{_fmt(t['kill_to_step_s'])} s, restart -> rejoin {_fmt(t['restart_to_rejoin_s'])} s"
+                  + (f"; not rejoined: {_not_rejoined(missing)}" if missing else "") + f" -> {out}", flush=True)
         finally:
             for sig in signals:  # a second Ctrl-C must not cut the clean-up short
                 signal.signal(sig, signal.SIG_IGN)
             try:
                 if supervisor is not None:
                     supervisor.stop()
+                    if not merged:  # a launch that stops keeps its events for the records of a --resume
+                        atomic_write_json(out / "events.json", {"events": supervisor.events, "complete": False})
                 if lighthouse is not None:
                     lighthouse.shutdown()
                 if locked is not None:
@@ -511,6 +861,11 @@ def merge_by_hand(out: Path, other_flags) -> int:
 
 def _interrupt(*_):
     raise KeyboardInterrupt
+
+
+def _not_rejoined(missing: list[dict]) -> str:
+    return "; ".join(f"rank {m['rank']} (restarted {m['seconds_before_end']:.1f} s before the end, last seen "
+                     f"{m['last_status']})" for m in missing)
 
 
 def _fmt(values: list[float]) -> str:

@@ -184,8 +184,11 @@ class GPT(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """N(0, 0.02) for embedding and projections; residual-output projections (o_proj, down_proj)
-        scaled by 1/sqrt(2 L) as in GPT-2; norm weights 1."""
+        scaled by 1/sqrt(2 L) as in GPT-2; norm weights 1. (Meta tensors, shapes without values, are left alone:
+        torch's random init on the meta device imports its compiler, about a second of every process's start.)"""
         for name, p in self.named_parameters():
+            if p.is_meta:
+                continue
             if name.endswith("norm.weight"):
                 nn.init.ones_(p)
             else:

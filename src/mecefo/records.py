@@ -97,3 +97,40 @@ def package_versions() -> dict[str, str]:
 def read_jsonl(path: Path) -> list[dict]:
     """The rows of a JSON-lines file (metrics.jsonl)."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line]
+
+
+def read_rows(path: Path) -> tuple[list[dict], int]:
+    """The rows of a JSON-lines file written by a process that may have been killed mid-write, and how many lines
+    were dropped as torn (not JSON: a partial line, or one a restarted writer appended to a partial line).
+    A missing file has no rows."""
+    path = Path(path)
+    if not path.exists():
+        return [], 0
+    rows, torn = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            torn += 1
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+        else:
+            torn += 1
+    return rows, torn
+
+
+def repair_tail(path: Path) -> bool:
+    """Cut a JSON-lines file back to its last whole line (a writer killed mid-line leaves a partial one, to which the
+    next writer would append); True if something was cut."""
+    path = Path(path)
+    if not path.exists():
+        return False
+    with open(path, "rb+") as f:
+        data = f.read()
+        if not data or data.endswith(b"\n"):
+            return False
+        f.truncate(data.rfind(b"\n") + 1)
+    return True

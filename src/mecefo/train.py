@@ -38,7 +38,6 @@ from .model import GPT, count_parameters, preset
 from .neighbour import LowRankWgrad, Techniques
 from .plan import rank_flops
 from .records import atomic_write_json, atomic_write_text, git_commit, package_versions
-from .stats import relative_error
 
 
 def lr_at(step: int, optim: config_mod.OptimConfig, total_steps: int) -> float:
@@ -309,6 +308,7 @@ class Run:
             return None
         self.cluster.sync_for_io(self.optimizer)
         if self.cluster.evaluates(plan):
+            self.cluster.status(f"evaluating {self.progress.furthest}")
             return evaluate(self.model, self.data, split, self.device, self.cfg.train.precision)
         return None
 
@@ -319,9 +319,10 @@ class Run:
         if not self.cluster.parameters_finite():  # a finite loss can still be followed by a non-finite update
             raise TrainingStopped(f"step {step}: the parameters are not finite after the update; the last checkpoint "
                                   f"in {self.out} is kept")
+        self.cluster.status(f"checkpointing {step}")
         states = checkpoint.gather(self.components)  # every rank: gathering FSDP shards is collective
-        if self.cluster.writes(plan):
-            checkpoint.save(self.out / "checkpoint.pt", step, self.cfg.hash(), states)
+        self.cluster.write_checkpoint(self.out / "checkpoint.pt", step, self.cfg.hash(), states, plan)
+        self.cluster.status(f"step {step}")
 
     def step(self, step: int) -> tuple[dict | None, object]:
         """Train step `step` (0-based) under the policy; returns its metrics row (None: the step did not
@@ -494,6 +495,8 @@ def _failure_free_gradient(cluster, plan, cfg: Config) -> list[torch.Tensor]:
 
 def _relative_error(model: GPT, exact: list[torch.Tensor]) -> float:
     """mecefo.stats.relative_error of the aggregated gradient against the failure-free one, all parameters."""
+    from .stats import relative_error  # (here: scipy, which mecefo.stats imports, costs every replica's start ~1 s)
+
     return relative_error([p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()], exact)
 
 

@@ -1,0 +1,125 @@
+"""The chaos harness's results: restart-to-rejoin and kill-to-next-step distributions, the events fired, and the
+README's real-failures figures (from results/chaos/chaos-<profile>.json, written by python -m experiments.chaos).
+
+    python -m paper_figures.chaos [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+from mecefo.errors import UsageError, guarded
+from mecefo.results import RESULTS
+
+from .common import save_figure, style, update_readme, write_table
+
+
+def _ecdf(ax, values: list[float], label: str, color) -> None:
+    if values:
+        v = np.sort(values)
+        ax.step(v, np.arange(1, len(v) + 1) / len(v), where="post", color=color, label=f"{label} (n = {len(v)})")
+        ax.axvline(np.percentile(v, 95), color=color, ls=":", lw=1)
+
+
+def figure(result: dict):
+    style()
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    colors = dict(zip(result["summary"]["families"], ("C0", "C1", "C2")))
+    done = [r for r in result["runs"] if not r["lost"]]
+    for family, color in colors.items():
+        mine = [r for r in done if r["family"] == family]
+        _ecdf(axes[0], [t for r in mine for t in r["restart_to_rejoin_s"]], family, color)
+        _ecdf(axes[1], [t for r in mine for t in r["kill_to_step_s"]], family, color)
+        target = result["targets"]["rejoin_p95_s"].get(family)
+        if target:
+            axes[0].axvline(target, color=color, lw=2, alpha=0.35, label=f"target p95 {target:g} s")
+    axes[1].axvline(result["targets"]["kill_to_step_p95_s"], color="k", lw=2, alpha=0.35,
+                    label=f"target p95 {result['targets']['kill_to_step_p95_s']:g} s")
+    axes[0].set(xlabel="seconds from a restart to its first committed step", ylabel="fraction (dotted: p95)",
+                title="restart -> rejoin")
+    axes[1].set(xlabel="seconds from the kill of a training rank to the next committed step", title="kill -> next step")
+    for ax in axes[:2]:
+        ax.legend(fontsize=7)
+    kinds = sorted(result["summary"]["events"])
+    fired = [result["summary"]["events"][k].get("fired", 0) for k in kinds]
+    expired = [result["summary"]["events"][k].get("expired", 0) for k in kinds]
+    axes[2].barh(kinds, fired, label="fired")
+    axes[2].barh(kinds, expired, left=fired, label="expired (its moment did not come)")
+    axes[2].set(xlabel="events over all schedules", title="chaos events")
+    axes[2].legend(fontsize=7)
+    fig.suptitle(f"chaos harness, {result['profile']} profile (commit {result['git_commit'][:8]})", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def _q(q: dict, key: str) -> str:
+    return f"{q[key]:.2f}" if q.get("n") else "-"
+
+
+def section(result: dict) -> str:
+    """The README's real-failures figures, every number read from the result."""
+    s, targets = result["summary"], result["targets"]
+    lines = [f"Measured by `python -m experiments.chaos` (`results/chaos/chaos-{result['profile']}.json`, commit "
+             f"`{result['git_commit'][:12]}`; `paper_figures/out/chaos.png`), nano on 2 CPU cores, every heal and checkpoint "
+             f"write held {result['hold_s']:g} s:", "",
+             "| replicas | schedules | lost runs | invariant violations | resumed after every rank was down | "
+             "restart -> rejoin p50 / p95 / max (s) | kill -> next step p50 / p95 / max (s) | not rejoined | "
+             "largest loss deviation from the local twin; the torch twin |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for family, f in s["families"].items():
+        r, k = f["restart_to_rejoin_s"], f["kill_to_step_s"]
+        lines.append(f"| {family} | {f['schedules']} | {f['lost']} | {f['violations']} | {f['resumed_after_all_down']} | "
+                     f"{_q(r, 'p50')} / {_q(r, 'p95')} / {_q(r, 'max')} (n = {r['n']}) | "
+                     f"{_q(k, 'p50')} / {_q(k, 'p95')} / {_q(k, 'max')} (n = {k['n']}) | {f['not_rejoined']} | "
+                     + (f"{f['twin_max_rel']:.1e}" if f["twin_max_rel"] is not None else "-")
+                     + (f"; {f['torch_twin_max_rel']:.1e} ({f['torch_twins']} schedules) |" if f.get("torch_twins") else "; - |"))
+    met = []
+    for family, f in s["families"].items():
+        target = targets["rejoin_p95_s"].get(family)
+        p95 = f["restart_to_rejoin_s"].get("p95")
+        if target is not None and p95 is not None:
+            met.append(f"restart -> rejoin p95 {p95:.2f} s against {target:g} s ({family}): "
+                       + ("met" if p95 <= target else "NOT met"))
+        k95 = f["kill_to_step_s"].get("p95")
+        if k95 is not None:
+            met.append(f"kill -> next step p95 {k95:.2f} s against {targets['kill_to_step_p95_s']:g} s ({family}): "
+                       + ("met" if k95 <= targets["kill_to_step_p95_s"] else "NOT met"))
+    events = ", ".join(f"{k} {v.get('fired', 0)}" + (f" (+{v['expired']} expired)" if v.get("expired") else "")
+                       for k, v in sorted(s["events"].items()))
+    lines += ["", "Targets: " + "; ".join(met) + ".", "", f"Events fired over all schedules: {events}.", "",
+              f"The twins replay each run's `failed_steps.json`: the local backend within relative {result['twin_rtol']:g} "
+              "(its batched sums differ in order from an all-reduce's), the torch backend (torchrun, every "
+              f"{result.get('exact_every', 5)}th one-process schedule) summing as torchft does."]
+    if s["lost"]:
+        lines += ["", "Lost: " + "; ".join(f"seed {x['seed']}: {x['why']}" for x in s["lost"]) + "."]
+    if s["violated"]:
+        lines += ["", "Violations: " + "; ".join(f"seed {x['seed']}: {', '.join(x['violations'])}" for x in s["violated"]) + "."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    path = RESULTS / "chaos" / f"chaos-{'quick' if args.quick else 'default'}.json"
+    if not path.exists():
+        raise UsageError(f"{path} does not exist; run python -m experiments.chaos{' --quick' if args.quick else ''} first")
+    result = json.loads(path.read_text())
+    paths = save_figure(figure(result), "chaos")
+    text = section(result)
+    paths.append(write_table("chaos", text + "\n"))
+    if not args.quick:
+        paths.append(update_readme("chaos", text))
+    for p in paths:
+        if p is not None:
+            print(f"wrote {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(guarded(main))

@@ -1,0 +1,219 @@
+"""Telling "the cluster is gone" from "the cluster is recovering" on the torchft backend.
+
+torchft's lighthouse knows who is alive: every replica's manager heartbeats to it, and it counts a replica
+dead once its last heartbeat is older than its heartbeat timeout (1 s under mecefo.launch). The lighthouse
+publishes that view on its status page, with the age of the last quorum it formed. This module reads it, and
+uses it where a torchft wait would otherwise run to a fixed timeout:
+
+- the rendezvous of a new quorum's process group (`ArrivalCheckedGloo`, `ArrivalCheckedNCCL`): torchft's
+  process group waits for every member at the quorum's TCPStore for its whole timeout (30 s), so a member
+  killed just after the quorum formed (two ranks killed at one step; the rank whose store the quorum uses)
+  held every survivor for 30 s. Here every member first marks its arrival at the store, and the wait ends,
+  as a failed reconfiguration (the step is void and redone with the next quorum), as soon as the
+  lighthouse counts a member dead, or has formed a newer quorum (a member stalled while the others met
+  wakes in a rendezvous they have left);
+- the quorum itself (`wait_for_quorum`): a replica waits as long as the cluster makes progress (the
+  lighthouse formed a quorum within MECEFO_FT_STALL_S) and the lighthouse answers (a restarted lighthouse
+  included), instead of stopping at a fixed timeout while the others are recovering.
+
+The process group's store prefix is also made unique per quorum (its id, step and members): a restarted
+lighthouse counts quorum ids from 1 again, and a store that served an earlier quorum of the same id still
+holds its keys.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from datetime import timedelta
+
+from .records import stable_hash
+
+POLL_S = 0.005  # between checks of the store for the members' arrival
+STATUS_EVERY_S = 0.1  # between reads of the lighthouse's status page while waiting
+# After a failed quorum try, wait this long before the next: a lighthouse that was down and is back must hear every
+# live replica's heartbeat (every 100 ms) before a quorum forms, or its split-brain guard (more than half of the
+# replicas heartbeating) could pass with the first replica alone, at a step the others have passed.
+RETRY_GRACE_S = 1.0
+# Once every member has marked its arrival, gloo's own rendezvous (each member's address through the store, then a
+# connection to each) takes milliseconds; a member that died just after arriving would still hold it for the process
+# group's whole timeout, so it runs under this one, and the collectives get the long one back after it.
+RENDEZVOUS_S = 5.0
+
+
+@dataclass(frozen=True)
+class Status:
+    """The lighthouse's view (its status page): seconds since each replica's last heartbeat, the replicas it
+    counts dead (heartbeat older than its timeout), the current quorum id and seconds since the last quorum."""
+
+    heartbeats: dict
+    dead: frozenset
+    quorum_id: int
+    quorum_age_s: float | None
+    max_step: int | None  # the highest step among the last quorum's members (None: no quorum yet)
+
+
+_HEARTBEAT = re.compile(r'<li class="heartbeat\s*(old)?\s*">\s*(\S+): seen ([0-9.]+)s ago')
+_QUORUM_ID = re.compile(r"Current quorum_id: (\d+)")
+_QUORUM_AGE = re.compile(r"Quorum age:\s*([0-9.]+)s")
+_MEMBER_STEP = re.compile(r"Step: (-?\d+)")
+
+
+def parse_status(html: str) -> Status:
+    """torchft 0.2.0's status page (templates/status.html) as a Status."""
+    beats = {m.group(2): float(m.group(3)) for m in _HEARTBEAT.finditer(html)}
+    dead = frozenset(m.group(2) for m in _HEARTBEAT.finditer(html) if m.group(1))
+    qid, age = _QUORUM_ID.search(html), _QUORUM_AGE.search(html)
+    steps = [int(m.group(1)) for m in _MEMBER_STEP.finditer(html)]
+    return Status(beats, dead, int(qid.group(1)) if qid else 0, float(age.group(1)) if age else None,
+                  max(steps) if steps else None)
+
+
+def read_status(lighthouse: str, timeout_s: float = 1.0) -> Status | None:
+    """The lighthouse's view, or None if it cannot be reached (down, restarting, another server)."""
+    try:
+        with urllib.request.urlopen(lighthouse.rstrip("/") + "/status", timeout=timeout_s) as r:
+            return parse_status(r.read().decode("utf-8", "replace"))
+    except (OSError, urllib.error.URLError, ValueError):
+        return None
+
+
+class PeerGone(RuntimeError):
+    """A member of the quorum died before the quorum's process group was built."""
+
+
+class Watch:
+    """The lighthouse's view of a quorum's members, read at most every STATUS_EVERY_S."""
+
+    def __init__(self, lighthouse: str, members: list[str], quorum_id: int | None = None):
+        self.lighthouse, self.members, self.quorum_id, self.last = lighthouse, set(members), quorum_id, 0.0
+
+    def check(self) -> None:
+        """PeerGone if the lighthouse counts a member dead, or has formed another quorum since this one (its members
+        went on without a member stalled while they met: it wakes in a rendezvous nobody else will come to); an
+        unreachable lighthouse tells nothing."""
+        now = time.monotonic()
+        if now - self.last < STATUS_EVERY_S:
+            return
+        self.last = now
+        status = read_status(self.lighthouse)
+        if status is None:
+            return
+        dead = sorted(self.members & status.dead)
+        if dead:
+            raise PeerGone(f"quorum member {dead[0]} died (its last heartbeat {status.heartbeats[dead[0]]:.1f} s ago)")
+        if self.quorum_id is not None and status.quorum_id != self.quorum_id:
+            raise PeerGone(f"quorum {self.quorum_id} was superseded by quorum {status.quorum_id} at the lighthouse")
+
+
+def arrive(store_addr: str, rank: int, world_size: int, watch: Watch, timeout_s: float) -> None:
+    """Mark this member's arrival at the quorum's store (host:port/prefix) and wait for every member's, ending
+    with PeerGone as soon as one of them is counted dead (the store's host included: a store that cannot be
+    reached is retried while its host lives), or TimeoutError after timeout_s."""
+    from torchft.process_group import create_store_client
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            store = create_store_client(store_addr, timeout=timedelta(seconds=1))
+            break
+        except (RuntimeError, TimeoutError) as e:  # (torch's DistNetworkError and DistStoreError are RuntimeErrors)
+            watch.check()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the quorum's store {store_addr.partition('/')[0]} cannot be reached ({e})") from None
+    store.set(f"mecefo/arrived/{rank}", "1")
+    keys = [f"mecefo/arrived/{r}" for r in range(world_size)]
+    while not store.check(keys):
+        watch.check()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not every member of the quorum arrived at its store within {timeout_s:g} s")
+        time.sleep(POLL_S)
+
+
+class QuorumRecorder:
+    """torchft's ManagerClient with the last quorum's result kept (its members, step and store), which the
+    process group's configure is not given."""
+
+    def __init__(self, client, after=None):
+        self._client, self.last, self.after = client, None, after  # after(result): a hook (the tests' faults)
+
+    def _quorum(self, *args, **kwargs):
+        self.last = self._client._quorum(*args, **kwargs)
+        if self.after is not None:
+            self.after(self.last)
+        return self.last
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+class _ArrivalChecked:
+    """torchft's reconfigurable process group whose configure first checks every member's arrival (arrive), on
+    a store prefix unique to the quorum. lighthouse and recorder are set by the backend after the Manager exists."""
+
+    lighthouse: str = ""
+    recorder: QuorumRecorder | None = None
+    rendezvous_timeout_applies = True  # gloo connects at creation; NCCL's communicator is made at its first collective
+
+    def configure(self, store_addr, replica_id, rank, world_size, quorum_id=None, group_rank=None,
+                  group_world_size=None, global_ranks=None):
+        last = self.recorder.last if self.recorder is not None else None
+        members = sorted(last.replica_ids) if last is not None else []
+        store_addr = f"{store_addr}/mecefo-{stable_hash([quorum_id, last.max_step if last else None, members])}"
+        arrive(store_addr, rank, world_size, Watch(self.lighthouse, members, quorum_id), self._timeout.total_seconds())
+        long, short = self._timeout, timedelta(seconds=min(RENDEZVOUS_S, self._timeout.total_seconds()))
+        self._timeout = short if self.rendezvous_timeout_applies else long
+        try:
+            super().configure(store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks)
+        finally:
+            self._timeout = long
+        if self.rendezvous_timeout_applies:
+            import torch
+
+            self._pg._get_backend(torch.device("cpu"))._set_default_timeout(long)  # the collectives' timeout
+
+
+def process_group(device_type: str, timeout: timedelta):
+    """torchft's gloo (CPU) or NCCL (CUDA) process group, arrival-checked."""
+    from torchft import ProcessGroupGloo, ProcessGroupNCCL
+
+    base = ProcessGroupNCCL if device_type == "cuda" else ProcessGroupGloo
+    return type(f"ArrivalChecked{base.__name__}", (_ArrivalChecked, base),
+                {"rendezvous_timeout_applies": base is ProcessGroupGloo})(timeout=timeout)
+
+
+def wait_for_quorum(manager, lighthouse: str, stall_s: float, try_s: float) -> None:
+    """torchft's start_quorum, retried while the cluster makes progress: each try waits try_s; a replica stops
+    waiting (TimeoutError) only when no quorum has formed at the lighthouse for stall_s (counted from the last one seen,
+    or from when a restarted lighthouse came back), or the lighthouse has not answered for stall_s. Only a failed quorum
+    is retried: an error raised while the quorum's heal is applied (the state it received) is raised as it is."""
+    last_progress = last_answer = time.monotonic()
+    gone = False
+    while True:
+        try:
+            manager.start_quorum(timeout=timedelta(seconds=try_s))
+            return
+        except (RuntimeError, TimeoutError) as e:
+            future = manager._quorum_future
+            if future is None or not future.done() or future.exception() is None:
+                raise  # the quorum itself succeeded: applying what it brought failed
+            manager._quorum_future = None  # torchft would raise this failed quorum again at the next start_quorum
+            error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        time.sleep(RETRY_GRACE_S)
+        now = time.monotonic()
+        status = read_status(lighthouse)
+        if status is None:
+            gone = True
+            if now - last_answer > stall_s:
+                raise TimeoutError(f"the lighthouse did not answer for {stall_s:g} s (MECEFO_FT_STALL_S; {error})")
+            continue
+        if gone:  # back: a restarted lighthouse (no quorum yet), the stall counted from now
+            last_progress, gone = now, False
+        last_answer = now
+        if status.quorum_age_s is not None:
+            last_progress = max(last_progress, now - status.quorum_age_s)
+        if now - last_progress > stall_s:
+            raise TimeoutError(f"the lighthouse has formed no quorum for {stall_s:g} s (MECEFO_FT_STALL_S; {error})")

@@ -1,0 +1,158 @@
+"""The defects the chaos harness (experiments.chaos) found on the torchft backend, each injected deterministically:
+members dying as a new quorum forms (the store's host, two at once), the lighthouse down for longer than every
+timeout or gone, a replica that crashes, an FSDP group's checkpoint write longer than the timeouts, a step voided
+for ever, a group healed by halves in the middle of a run, two restarted replicas alone while the only live one is
+stalled, and a restart too late to rejoin. The faults (mecefo.ft's FAULT_* variables) act in a replica's first life."""
+
+import json
+
+import pytest
+
+from mecefo.train import main as train_main
+from tests.conftest import NANO, launch, metrics
+
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
+
+
+def _twin(out, tmp_path, args) -> None:
+    """The run's loss curve is the local backend's on the same failed steps (relative 1e-5; the same plans, summed in
+    another order), every step committed once, the live replicas identical."""
+    rows = metrics(out)
+    steps = int(args[args.index("--steps") + 1])
+    assert [row["step"] for row in rows] == list(range(steps + 1))
+    assert json.loads((out / "summary.json").read_text())["rank_agreement"]["identical"]
+    twin = tmp_path / "twin"
+    assert train_main([*NANO, *args, "--quiet", "--out", str(twin), "--failures", f"steps:{out / 'failed_steps.json'}"]) == 0
+    for a, b in zip(rows[1:], metrics(twin)[1:], strict=True):
+        assert a["down"] == b["down"] and a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+
+
+def _gaps(out) -> list[float]:
+    times = [row["backend"]["time"] for row in metrics(out)[1:]]
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+def _logs(out) -> str:
+    return "".join(p.read_text(errors="replace") for p in sorted((out / "replicas").glob("rank*.log")))
+
+
+def test_members_that_die_as_a_new_quorum_forms_do_not_hold_the_survivors(tmp_path):
+    """5 ranks; rank 4 is killed at step 5 and rejoins: a new quorum (and process group) forms, and the moment it does,
+    three of its members die, rank 0 among them, whose store the quorum uses (the first replica id). The survivors'
+    rendezvous at that store ends when the lighthouse counts the dead dead (about its 1 s heartbeat timeout) instead of
+    waiting for them for the store's 30 s timeout; every step once, the twin's curve."""
+    out, args = tmp_path / "ft", ["--ranks", "5", "--steps", "80", "--eval_every", "80"]
+    r = launch(out, *args, "--min-step-s", "0.15", "--spares", "0", "--kill", "4:5:6",
+               env={"MECEFO_FT_FAULT_DIE_IN_QUORUM": "0,1,2:6"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    downs = [e["rank"] for e in json.loads((out / "events.json").read_text())["events"] if e["kind"] == "down"]
+    assert sorted(downs) == [0, 1, 2]  # the faults did land
+    assert max(_gaps(out)) < 10  # was > 30 s: the store's timeout
+    assert "died (its last heartbeat" in _logs(out)  # a rendezvous met a dead member and ended on its death
+    _twin(out, tmp_path, args)
+
+
+def test_the_lighthouse_down_for_longer_than_every_timeout_is_waited_for_and_gone_for_good_stops(tmp_path):
+    """Quorums go on failing for 6 s, longer than MECEFO_FT_TIMEOUT_S (4 s here): the replicas wait, as the lighthouse
+    comes back (a new one on its address: no quorum, no heartbeat remembered), and finish. A lighthouse that never comes
+    back ends every replica at MECEFO_FT_STALL_S with one line naming it, exit 3."""
+    out, args = tmp_path / "ft", ["--ranks", "3", "--steps", "40", "--eval_every", "40"]
+    r = launch(out, *args, "--min-step-s", "0.15", "--kill", "lighthouse:10:6", env={"MECEFO_FT_TIMEOUT_S": "4"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    kinds = [e.get("what") for e in json.loads((out / "events.json").read_text())["events"] if e["kind"] == "lighthouse"]
+    assert kinds == ["killed", "restarted"] and max(_gaps(out)) > 6
+    _twin(out, tmp_path, args)
+    r = launch(tmp_path / "gone", *args, "--min-step-s", "0.15", "--kill", "lighthouse:5",
+               env={"MECEFO_FT_TIMEOUT_S": "4", "MECEFO_FT_STALL_S": "6"})
+    assert r.returncode == 3 and r.stderr.strip().splitlines()[-1].startswith("stopped: rank "), r.stderr[-2000:]
+    assert "the lighthouse did not answer for 6 s (MECEFO_FT_STALL_S" in r.stderr.strip().splitlines()[-1]
+
+
+def test_a_crashed_replica_is_restarted_and_a_restart_too_late_to_rejoin_is_named(tmp_path):
+    """Rank 1 raises at step 10 (exit status 1, as a CUDA error or an OOM raised in Python would): the launcher takes
+    it down and restarts it, within --max_restarts, and the run completes. Rank 2 killed at step 77 of 80 and restarted
+    at once without a spare (a fresh process takes seconds to start) cannot rejoin in time: the summary and the
+    launcher's last line name it."""
+    out, args = tmp_path / "ft", ["--ranks", "3", "--steps", "80", "--eval_every", "80"]
+    r = launch(out, *args, "--min-step-s", "0.15", "--spares", "0", "--kill", "2:77:78",
+               env={"MECEFO_FT_FAULT_CRASH": "1:10"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    events = json.loads((out / "events.json").read_text())["events"]
+    crash = [e for e in events if e["kind"] == "crash"]
+    assert len(crash) == 1 and crash[0]["rank"] == 1 and "an injected crash at step 10" in crash[0]["line"]
+    assert any(e["kind"] == "start" and e["rank"] == 1 and e["why"] != "initial" for e in events)
+    missing = json.loads((out / "summary.json").read_text())["backend"]["not_rejoined"]
+    assert [(m["rank"], m["restarted_at_step"]) for m in missing] == [(2, 78)]  # (rank 1 did rejoin)
+    assert missing[0]["last_status"] in ("starting", "waiting")
+    last = r.stdout.strip().splitlines()[-1]
+    assert last.startswith("done: ") and "not rejoined: rank 2 (restarted" in last
+    _twin(out, tmp_path, args)
+
+
+def test_a_replica_that_crashes_at_every_start_stops_the_launch_past_its_restarts(tmp_path):
+    """Each start raises while it imports: after --max_restarts restarts the launch stops (exit 3) with the replica's
+    last line, instead of restarting it for ever."""
+    from tests.conftest import ROOT
+
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "crash_in_replicas.py").write_text(
+        "import sys\nif sys.argv[0].endswith('ft.py') and '--replica' in sys.argv and "
+        "sys.argv[sys.argv.index('--replica') + 1] == '1':\n    raise RuntimeError('boom in a replica')\n")
+    r = launch(tmp_path / "ft", "--ranks", "2", "--steps", "20", "--max_restarts", "1", "--spares", "0", env={
+        "MECEFO_POLICY_MODULES": "crash_in_replicas", "PYTHONPATH": f"{tmp_path / 'mods'}:{ROOT / 'src'}:{ROOT}"},
+        timeout=120)
+    assert r.returncode == 3, r.stderr[-2000:]
+    assert "rank 1 died (exit status 1) 2 times, more than --max_restarts 1: RuntimeError: boom in a replica" in r.stderr
+
+
+def test_an_fsdp_groups_checkpoint_write_longer_than_the_timeouts_does_not_stop_the_run(tmp_path):
+    """A replica group of 2 (FSDP2): its process 0 writes the checkpoint for 6 s, longer than MECEFO_FT_TIMEOUT_S (3 s)
+    and than MECEFO_FT_STALL_S (4 s) here. Its other process waits for the write (MECEFO_FT_CHECKPOINT_S), not in the next
+    quorum, which waits for every process of the group and would give up when no quorum forms for the stall deadline;
+    the run completes."""
+    out, args = tmp_path / "ft", ["--ranks", "1", "--steps", "20", "--eval_every", "20", "--checkpoint_every", "10"]
+    r = launch(out, *args, "--shard", "fsdp", "--group_size", "2", "--min-step-s", "0.2",
+               env={"MECEFO_CHECKPOINT_DELAY_S": "6", "MECEFO_FT_TIMEOUT_S": "3", "MECEFO_FT_STALL_S": "4"}, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert max(_gaps(out)) > 6  # the write did hold the run
+    _twin(out, tmp_path, args)
+
+
+def test_a_step_voided_for_longer_than_its_deadline_stops_the_run_with_one_line(tmp_path):
+    """From step 5 every step fails (a persistent fault): after MECEFO_FT_VOID_S of voided steps the run stops (exit 3)
+    with one line saying how often and why, rather than redoing the step for ever."""
+    r = launch(tmp_path / "ft", "--ranks", "2", "--steps", "40", "--min-step-s", "0.1",
+               env={"MECEFO_FT_FAULT_VOID_FROM": "5", "MECEFO_FT_VOID_S": "3"}, timeout=120)
+    assert r.returncode == 3, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("stopped: rank ") and "step 6 was voided" in last and "(MECEFO_FT_VOID_S 3)" in last
+    assert "a persistent fault (MECEFO_FT_FAULT_VOID_FROM=5)" in last
+
+
+def test_a_group_healed_by_halves_in_the_middle_of_a_run_restarts_itself(tmp_path):
+    """Group 1 (2 processes, FSDP2) is stalled for 7 s at step 10, longer than the collective timeout (4 s here): the
+    others give up on it and train on; awake and behind, it heals, and its process 1's transfer fails (its source
+    "died") while process 0's succeeds. A group holding two states kills itself; the launcher restarts it, it heals
+    whole, and the run ends with identical shards."""
+    out, args = tmp_path / "ft", ["--ranks", "3", "--steps", "40", "--eval_every", "40"]
+    r = launch(out, *args, "--shard", "fsdp", "--group_size", "2", "--min-step-s", "0.25", "--stall", "1:10:7",
+               env={"MECEFO_FT_FAULT_HEAL": "1/1", "MECEFO_FT_TIMEOUT_S": "4"}, timeout=400)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "1 of the group's 2 processes healed; the group restarts" in (out / "replicas" / "rank1.log").read_text()
+    events = json.loads((out / "events.json").read_text())["events"]
+    assert [e["rank"] for e in events if e["kind"] == "down"] == [1]
+    assert not [e for e in events if e["kind"] == "crash"]  # no process of a group left waiting on the other (a timeout)
+    _twin(out, tmp_path, args)
+
+
+def test_restarted_replicas_alone_with_the_only_live_one_stalled_never_train_a_history_of_their_own(tmp_path):
+    """Ranks 1 and 2 are killed at step 10 and restarted at step 12, when rank 0, the only replica holding the run's
+    state, stalls for 8 s: the lighthouse sees only the two restarted ones. They must not train on their own fresh
+    state (a second history from step 0), though they are two in a quorum at one step: a restarted replica trains only
+    once it has healed from a live peer, which they do when rank 0 wakes; the run is one history, equal to its twin."""
+    out, args = tmp_path / "ft", ["--ranks", "3", "--steps", "40", "--eval_every", "40"]
+    r = launch(out, *args, "--min-step-s", "0.15", "--kill", "1:10:12", "--kill", "2:10:12", "--stall", "0:12:8")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    heals = [h["rank"] for h in json.loads((out / "events.json").read_text())["healed"]]
+    assert {1, 2} <= set(heals)
+    _twin(out, tmp_path, args)
