@@ -263,6 +263,9 @@ def test_the_launcher_leaves_no_replica_behind_however_it_is_stopped(tmp_path, h
         assert time.time() < deadline and proc.poll() is None, "the replicas never started training"
         time.sleep(0.2)
     assert len(_replica_pids(out)) == 2
+    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    lighthouse = [int(c) for c in children if "torchft_lighthouse" in open(f"/proc/{c}/cmdline").read()]
+    assert len(lighthouse) == 1
     if how == "SIGKILL":
         proc.kill()
     elif how == "SIGHUP":
@@ -278,7 +281,9 @@ def test_the_launcher_leaves_no_replica_behind_however_it_is_stopped(tmp_path, h
     deadline = time.time() + 20
     while _replica_pids(out, spares=True) and time.time() < deadline:
         time.sleep(0.2)
-    assert not _replica_pids(out, spares=True)  # nor a spare, nor the lighthouse (which dies with the launcher too)
+    assert not _replica_pids(out, spares=True)  # nor a spare
+    assert not os.path.exists(f"/proc/{lighthouse[0]}") or "torchft_lighthouse" not in open(
+        f"/proc/{lighthouse[0]}/cmdline").read()  # nor the lighthouse (a child of the launcher, dying with it)
 
 
 @pytest.mark.slow

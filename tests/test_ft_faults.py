@@ -15,8 +15,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
 
 
 def _twin(out, tmp_path, args) -> None:
-    """The run's loss curve is the local backend's on the same failed steps (relative 1e-5; the same plans, summed in
-    another order), every step committed once, the live replicas identical."""
+    """The run's loss curve is the local backend's on the same failed steps (relative 1e-4: the same plans, summed in
+    another order, which training amplifies; the torch backend's own deviation from the local one reached 1.3e-5 on
+    100 steps, see test_ft.py's twin test), every step committed once, the live replicas identical."""
     rows = metrics(out)
     steps = int(args[args.index("--steps") + 1])
     assert [row["step"] for row in rows] == list(range(steps + 1))
@@ -24,7 +25,7 @@ def _twin(out, tmp_path, args) -> None:
     twin = tmp_path / "twin"
     assert train_main([*NANO, *args, "--quiet", "--out", str(twin), "--failures", f"steps:{out / 'failed_steps.json'}"]) == 0
     for a, b in zip(rows[1:], metrics(twin)[1:], strict=True):
-        assert a["down"] == b["down"] and a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["down"] == b["down"] and a["loss"] == pytest.approx(b["loss"], rel=1e-4)
 
 
 def _gaps(out) -> list[float]:
