@@ -53,6 +53,21 @@ def test_members_that_die_as_a_new_quorum_forms_do_not_hold_the_survivors(tmp_pa
     _twin(out, tmp_path, args)
 
 
+def test_a_replica_that_abandons_a_step_releases_the_peers_blocked_on_it(tmp_path):
+    """Rank 2 leaves step 20's exchange with an error of its own, alive (as a survivor does whose collective failed
+    on a dead peer's connection): ranks 0 and 1 are blocked in the collective on it. Its void step closes its process
+    group at once, so theirs fail within a step, instead of at the collective timeout (30 s) while they heartbeat and
+    the lighthouse waits for them to join the next quorum (the chaos harness measured 15 s without a step); every
+    step once, the twin's curve."""
+    out, args = tmp_path / "ft", ["--ranks", "3", "--steps", "40", "--eval_every", "40"]
+    r = launch(out, *args, "--min-step-s", "0.15", env={"MECEFO_FT_FAULT_ABANDON": "2:20"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert max(_gaps(out)) < 5  # was 30.2 s: the collective timeout
+    logs = _logs(out)  # the peers' collective ended on the closed connection
+    assert "step 20 not committed" in logs and ("Connection closed by peer" in logs or "Connection reset by peer" in logs)
+    _twin(out, tmp_path, args)
+
+
 def test_the_lighthouse_down_for_longer_than_every_timeout_is_waited_for_and_gone_for_good_stops(tmp_path):
     """Quorums go on failing for 6 s, longer than MECEFO_FT_TIMEOUT_S (4 s here): the replicas wait, as the lighthouse
     comes back (a new one on its address: no quorum, no heartbeat remembered), and finish. A lighthouse that never comes

@@ -59,12 +59,19 @@ def test_the_readme_commands_train_a_llama_config_under_failures_with_mecefo(tmp
     (["--hf_config", "BAD:gpt2"], "model_type 'gpt2'; supported: llama, mistral, qwen2"),
     (["--hf_config", HF, "--backend", "torch", "--shard", "fsdp"], "trains with cluster.shard='none'"),
     (["--hf_config", "BAD:small_vocab"], "vocab_size 100 < the tokenizer's 512"),
+    (["--hf_config", "BAD:heads"], "num_attention_heads 5 does not divide hidden_size 32"),
+    (["--hf_config", "BAD:kv_heads"], "num_key_value_heads 3 does not divide num_attention_heads 4"),
+    (["--hf_config", "BAD:odd_heads"], "hidden_size/num_attention_heads = 1 must be even"),
+    (["--hf_config", "BAD:no_layers"], "num_hidden_layers must be a positive integer, not None"),
 ])
 def test_bad_hf_input_exits_2_with_one_line(extra, message, tmp_path, capsys):
     from mecefo.train import main
 
     values = json.loads((ROOT / HF).read_text())
-    bad = {"BAD:gpt2": values | {"model_type": "gpt2"}, "BAD:small_vocab": values | {"vocab_size": 100}}
+    bad = {"BAD:gpt2": values | {"model_type": "gpt2"}, "BAD:small_vocab": values | {"vocab_size": 100},
+           "BAD:heads": values | {"num_attention_heads": 5}, "BAD:kv_heads": values | {"num_key_value_heads": 3},
+           "BAD:odd_heads": values | {"num_attention_heads": 32, "num_key_value_heads": 32},
+           "BAD:no_layers": {k: v for k, v in values.items() if k != "num_hidden_layers"}}
     if extra[1] in bad:
         (tmp_path / "c.json").write_text(json.dumps(bad[extra[1]]))
         extra = [extra[0], str(tmp_path / "c.json"), *extra[2:]]

@@ -56,6 +56,8 @@ FAULT_DIE_IN_QUORUM = "MECEFO_FT_FAULT_DIE_IN_QUORUM"  # R[,R..]:STEP[;...]: the
 #   survivors then meet a dead member at the quorum's store
 FAULT_CRASH = "MECEFO_FT_FAULT_CRASH"  # R:STEP: rank R raises an exception at step STEP (a crash: exit status 1)
 FAULT_HEAL = "MECEFO_FT_FAULT_HEAL"  # R/J: process J of rank R's replica group fails its first heal (its source "died")
+FAULT_ABANDON = "MECEFO_FT_FAULT_ABANDON"  # R:STEP: rank R leaves step STEP's exchange without a collective (an error
+#   of its own, alive): its peers are left blocked in the collective on it
 HOST_ENV = "MECEFO_FT_HOST"  # the address peers reach this replica at; unset: 127.0.0.1, every server on loopback
 TIMEOUT_S = float(os.environ.get("MECEFO_FT_TIMEOUT_S", "30"))  # torchft's connect, collective and quorum timeouts
 JOIN_TIMEOUT_S = float(os.environ.get("MECEFO_FT_JOIN_TIMEOUT_S", "300"))  # the wait for the peers before training
@@ -280,6 +282,12 @@ class FtCluster(Backend):
     def step(self, plan: StepPlan) -> StepResult:
         from torch.distributed import ReduceOp
 
+        abandon = os.environ.get(FAULT_ABANDON, "").split(":")
+        if len(abandon) == 2 and int(abandon[0]) == self.rank and self.manager.current_step() + 1 == int(abandon[1]) \
+                and not self.rejoin and not getattr(self, "abandoned", False):
+            self.abandoned = True  # once
+            self.manager.report_error(RuntimeError(f"an injected abandoned exchange ({FAULT_ABANDON})"))
+            return self.exchange_step(plan, self.rank, lambda t: None)
         return self.exchange_step(plan, self.rank, lambda t: self.manager.allreduce(t, reduce_op=ReduceOp.SUM).wait())
 
     def peer_failed(self) -> bool:
@@ -292,7 +300,7 @@ class FtCluster(Backend):
         void = self.peer_failed()
         if not void:
             self.manager.report_error(RuntimeError("non-finite loss"))
-        self.manager.should_commit()
+        self._should_commit()
         return void
 
     def commits(self, plan: StepPlan | None) -> bool:
@@ -303,7 +311,19 @@ class FtCluster(Backend):
         fault = os.environ.get(FAULT_VOID)
         if fault and self.manager.current_step() >= int(fault):
             self.manager.report_error(RuntimeError(f"a persistent fault ({FAULT_VOID}={fault})"))
-        return self.manager.should_commit() and plan is not None
+        return self._should_commit() and plan is not None
+
+    def _should_commit(self) -> bool:
+        """torchft's should_commit. A step that does not commit closes this replica's process group at once: gloo
+        reports a dead peer only to a collective waiting on that peer's connection, so a survivor still blocked on
+        this replica in the step's collective would otherwise wait out the collective timeout (30 s), heartbeating,
+        while the lighthouse waits for it to join the next quorum (measured by the chaos harness: 15 s without a
+        step). The next quorum reconfigures every member anyway: the lighthouse gives a new quorum id after a
+        failed commit."""
+        if self.manager.should_commit():
+            return True
+        self.manager._pg.abort()
+        return False
 
     def end_step(self, row: dict | None) -> None:
         """The status file says the step committed; a step voided again and again for VOID_S stops the run."""

@@ -34,6 +34,19 @@ def read_config(path: str) -> dict:
         raise UsageError(f"model.hf_config={path!r} cannot be read as a Hugging Face config.json ({type(e).__name__})") from None
     if values.get("model_type") not in FAMILIES:
         raise UsageError(f"model.hf_config={path!r}: model_type {values.get('model_type')!r}; supported: {', '.join(FAMILIES)}")
+    shape = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+    for key in shape:
+        if not isinstance(values.get(key), int) or isinstance(values[key], bool) or values[key] < 1:
+            raise UsageError(f"model.hf_config={path!r}: {key} must be a positive integer, not {values.get(key)!r}")
+    heads, kv_heads = values["num_attention_heads"], values.get("num_key_value_heads", values["num_attention_heads"])
+    if values["hidden_size"] % heads:
+        raise UsageError(f"model.hf_config={path!r}: num_attention_heads {heads} does not divide hidden_size "
+                         f"{values['hidden_size']}")
+    if (values["hidden_size"] // heads) % 2:
+        raise UsageError(f"model.hf_config={path!r}: the head width hidden_size/num_attention_heads = "
+                         f"{values['hidden_size'] // heads} must be even (rotary position embeddings)")
+    if not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads:
+        raise UsageError(f"model.hf_config={path!r}: num_key_value_heads {kv_heads!r} does not divide num_attention_heads {heads}")
     return values
 
 
