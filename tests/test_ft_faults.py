@@ -2,7 +2,7 @@
 members dying as a new quorum forms (the store's host, two at once), the lighthouse down for longer than every
 timeout or gone, a replica that crashes, an FSDP group's checkpoint write longer than the timeouts, a step voided
 for ever, a group healed by halves in the middle of a run, two restarted replicas alone while the only live one is
-stalled, and a restart too late to rejoin. The faults (mecefo.ft's FAULT_* variables) act in a replica's first life."""
+stalled, a step committed by one replica alone that died with it, and a restart too late to rejoin. The faults (mecefo.ft's FAULT_* variables) act in a replica's first life."""
 
 import json
 
@@ -65,6 +65,22 @@ def test_a_replica_that_abandons_a_step_releases_the_peers_blocked_on_it(tmp_pat
     assert max(_gaps(out)) < 5  # was 30.2 s: the collective timeout
     logs = _logs(out)  # the peers' collective ended on the closed connection
     assert "step 20 not committed" in logs and ("Connection closed by peer" in logs or "Connection reset by peer" in logs)
+    _twin(out, tmp_path, args)
+
+
+def test_a_step_committed_by_a_replica_that_then_died_alone_is_redone_and_its_row_dropped(tmp_path):
+    """torchft agrees on a commit within a replica group, not across groups: at step 15 only rank 0 commits (its peers'
+    commits fail after the exchange) and rank 0 dies at once, before anyone heals from it. Ranks 1 and 2 redo step 15
+    without it (rank 0 down), and rank 0, restarted, heals past it: its own row for step 15 belongs to a history that
+    died with it. The merge keeps the run's (the surviving lineage's) row and says it dropped one, instead of refusing
+    the records ("step 15: replicas disagree", as the chaos harness met on seed 29); the twin's curve."""
+    out, args = tmp_path / "ft", ["--ranks", "3", "--steps", "40", "--eval_every", "40"]
+    r = launch(out, *args, "--min-step-s", "0.15", env={"MECEFO_FT_FAULT_LONE_COMMIT": "0:15"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    own = [json.loads(line) for line in (out / "replicas" / "rank0.jsonl").read_text().splitlines() if line.strip()]
+    orphan = next(row for row in own if row["step"] == 15)
+    assert orphan["down"] == [] and metrics(out)[15]["down"] == [0]  # both committed step 15: the fault did land
+    assert json.loads((out / "summary.json").read_text())["backend"]["superseded_rows"] == [{"rank": 0, "step": 15}]
     _twin(out, tmp_path, args)
 
 

@@ -5,12 +5,14 @@ import json
 import types
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from experiments.common import CONFIGS
 from mecefo import checkpoint
 from mecefo import config as config_mod
 from mecefo.errors import TrainingStopped, UsageError
-from mecefo.launch import merge, resume_point
+from mecefo.launch import lineage, merge, resume_point
 from mecefo.records import SUMMARY
 
 CFG = config_mod.load(CONFIGS / "nano.toml", {"steps": "3", "ranks": "2", "backend": "torchft"})
@@ -67,6 +69,33 @@ def test_merge_refuses_records_that_are_not_one_run(tmp_path, rows, digests, mes
         merge(tmp_path, CFG, supervisor.events, supervisor.t0)
     if "different parameters" in message:  # written anyway, saying so
         assert json.loads((tmp_path / "summary.json").read_text())["rank_agreement"]["identical"] is False
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(3, 5), st.integers(4, 12), st.data())
+def test_a_commit_that_died_with_its_replica_is_superseded_and_two_live_histories_are_refused(n, steps, data):
+    """Random histories: the run's rows (step s at time s, by every replica alive then), and orphans: a replica that
+    committed step s alone, with another loss, then died and healed later to a step >= s. lineage returns the run's
+    rows and exactly the orphans as superseded; an orphan whose replica never healed after it is refused."""
+    run = {s: _row(s, 0, float(s), loss=5.0 - s / 100) for s in range(1, steps + 1)}
+    orphans = data.draw(st.sets(st.tuples(st.integers(0, n - 1), st.integers(1, steps)), max_size=3))
+    own, healed = {r: [] for r in range(n)}, []
+    for s in range(1, steps + 1):
+        for r in range(n):
+            if (r, s) in orphans:
+                own[r].append(_row(s, r, s + 0.1, loss=9.0))
+                healed.append({"rank": r, "healed_at_step": data.draw(st.integers(s, steps)), "time": s + 0.5})
+            elif not any(r == o and s - 1 <= so < s + 1 for o, so in orphans):  # down around its orphan
+                own[r].append(run[s] | {"backend": {"rank": r, "time": float(s)}})
+    if any(not any(x["step"] == s for rows in own.values() for x in rows if x["loss"] != 9.0) for s in run):
+        return  # every replica was an orphan at some step: no run's row to keep there
+    rows, superseded = lineage(own, healed)
+    assert [rows[s]["loss"] for s in run] == [run[s]["loss"] for s in run]
+    assert sorted((x["rank"], x["step"]) for x in superseded) == sorted(orphans)
+    if orphans:
+        r, s = sorted(orphans)[0]
+        with pytest.raises(TrainingStopped, match=f"step {s}: replicas disagree"):
+            lineage(own, [h for h in healed if h["rank"] != r])
 
 
 def test_resume_point_drops_what_came_after_the_checkpoint(tmp_path):

@@ -58,6 +58,9 @@ FAULT_CRASH = "MECEFO_FT_FAULT_CRASH"  # R:STEP: rank R raises an exception at s
 FAULT_HEAL = "MECEFO_FT_FAULT_HEAL"  # R/J: process J of rank R's replica group fails its first heal (its source "died")
 FAULT_ABANDON = "MECEFO_FT_FAULT_ABANDON"  # R:STEP: rank R leaves step STEP's exchange without a collective (an error
 #   of its own, alive): its peers are left blocked in the collective on it
+FAULT_LONE_COMMIT = "MECEFO_FT_FAULT_LONE_COMMIT"  # R:STEP: only rank R commits step STEP (every other replica's commit
+#   fails after the exchange, as when a dying peer's last message reached R alone) and R dies right after writing its
+#   row: the others redo the step without it, and R, restarted, heals past it
 HOST_ENV = "MECEFO_FT_HOST"  # the address peers reach this replica at; unset: 127.0.0.1, every server on loopback
 TIMEOUT_S = float(os.environ.get("MECEFO_FT_TIMEOUT_S", "30"))  # torchft's connect, collective and quorum timeouts
 JOIN_TIMEOUT_S = float(os.environ.get("MECEFO_FT_JOIN_TIMEOUT_S", "300"))  # the wait for the peers before training
@@ -311,6 +314,11 @@ class FtCluster(Backend):
         fault = os.environ.get(FAULT_VOID)
         if fault and self.manager.current_step() >= int(fault):
             self.manager.report_error(RuntimeError(f"a persistent fault ({FAULT_VOID}={fault})"))
+        lone = os.environ.get(FAULT_LONE_COMMIT, "").split(":")
+        if len(lone) == 2 and int(lone[0]) != self.rank and self.manager.current_step() + 1 == int(lone[1]) \
+                and not self.rejoin and not getattr(self, "left_alone", False):
+            self.left_alone = True  # once
+            self.manager.report_error(RuntimeError(f"an injected failed commit ({FAULT_LONE_COMMIT})"))
         return self._should_commit() and plan is not None
 
     def _should_commit(self) -> bool:
@@ -330,6 +338,8 @@ class FtCluster(Backend):
         if row is not None:
             self.void_since, self.voids = None, 0
             self.status(f"step {row['step']}")
+            if os.environ.get(FAULT_LONE_COMMIT) == f"{self.rank}:{row['step']}" and not self.rejoin:
+                os.kill(os.getpid(), signal.SIGKILL)
             return
         now = time.monotonic()
         self.void_since, self.voids = self.void_since or now, self.voids + 1

@@ -592,21 +592,14 @@ def merge(out: Path, cfg, events: list, t0: float | None = None) -> dict:
     recovery timings). events: the supervisor's (none for replicas started by hand); t0: when the launch
     started (None: the wall time runs from the first committed step to the last)."""
     n, steps = cfg.cluster.ranks, cfg.train.steps
-    rows, healed, per_rank, torn = {}, [], {}, 0
+    own, healed, torn = {}, [], 0
     for r in range(n):
         found, dropped = read_rows(out / "replicas" / f"rank{r}.heals.jsonl")
         healed, torn = healed + [{"rank": r, **h} for h in found], torn + dropped
-        found, dropped = read_rows(out / "replicas" / f"rank{r}.jsonl")  # a line torn by a kill mid-write is dropped:
+        own[r], dropped = read_rows(out / "replicas" / f"rank{r}.jsonl")  # a line torn by a kill mid-write is dropped:
         torn += dropped  # its step is in the other replicas' rows (a step missing from all of them is refused below)
-        for row in found:
-            first = rows.setdefault(row["step"], row)
-            if row["step"] == 0:  # the evaluation before training: every replica that started at 0 made it
-                continue
-            per_rank.setdefault(r, []).append(row["step"])
-            if abs(first["loss"] - row["loss"]) > 1e-9 * max(1.0, abs(first["loss"])) or first["failed"] != row["failed"]:
-                raise TrainingStopped(f"step {row['step']}: replicas disagree (rank {first['backend']['rank']} vs rank {r})")
-            if row.get("val_loss") is not None:
-                first["val_loss"] = row["val_loss"]
+    rows, superseded = lineage(own, healed)
+    per_rank = {r: [row["step"] for row in found if row["step"] > 0] for r, found in own.items() if found}
     missing = [s for s in range(1, steps + 1) if s not in rows]
     if missing:
         raise TrainingStopped(f"steps {missing[:5]} were never committed")
@@ -632,12 +625,68 @@ def merge(out: Path, cfg, events: list, t0: float | None = None) -> dict:
         "failure_schedule": {"fraction_failed": happened.fraction_failed(), "events": happened.failure_events()},
         "wall_time_s": time.time() - t0 if t0 is not None else max(times) - min(times), "git_commit": git_commit(),
         "backend": {"name": "torchft", "kills": sum(e["kind"] == "kill" for e in events), "timings": timings,
-                    "not_rejoined": missing, "torn_lines_dropped": torn,
+                    "not_rejoined": missing, "torn_lines_dropped": torn, "superseded_rows": superseded,
                     "chaos": [e for e in events if e["kind"] == "chaos"]}}
     atomic_write_json(out / "summary.json", summary)
     if not identical:
         raise TrainingStopped(f"the live replicas ended with different parameters (ranks {summary['rank_agreement']})")
     return summary
+
+
+def lineage(own: dict[int, list[dict]], healed: list[dict]) -> tuple[dict[int, dict], list[dict]]:
+    """The run's rows (step -> row) from each replica's committed rows, and the rows superseded ({rank, step}).
+
+    torchft agrees on a commit within a replica group, not across groups: a replica can commit a step whose exchange
+    failed for its peers (a dying peer's last message reached it alone) and die before any peer heals from it. The
+    others redo the step without it, and it, restarted, heals past it: its row of that step belongs to a history that
+    died with it. So where the replicas' rows of a step disagree (loss, or who failed), a version of the step is
+    superseded if every replica that wrote it healed afterwards, to that step or later (its state was replaced by a
+    live peer's). Exactly one version must remain: else two histories both went on, and the records are refused as
+    not one run."""
+    heals = {}
+    for h in healed:
+        heals.setdefault(h["rank"], []).append(h)
+    rows, versions = {}, {}
+    for r, found in own.items():
+        for row in found:
+            if row["step"] == 0:  # the evaluation before training: every replica that started at 0 made it
+                rows.setdefault(0, row)
+                continue
+            versions.setdefault(row["step"], []).append((r, row))
+    superseded = []
+    for step, mine in sorted(versions.items()):
+        sides = []  # the distinct versions of the step, each with the replicas that wrote it
+        for r, row in mine:
+            side = next((x for x in sides if _same(x[0][1], row)), None)
+            if side is None:
+                sides.append(side := [])
+            side.append((r, row))
+        if len(sides) > 1:
+            live = [side for side in sides if not all(_replaced(heals.get(r, []), row) for r, row in side)]
+            if len(live) != 1:
+                ranks = [side[0][0] for side in sides]
+                raise TrainingStopped(f"step {step}: replicas disagree (rank {ranks[0]} vs rank {ranks[1]}), and not all "
+                                      f"but one version was replaced by a heal: two histories went on")
+            superseded += [{"rank": r, "step": step} for side in sides if side is not live[0] for r, _ in side]
+            mine = live[0]
+        rows[step] = dict(mine[0][1])
+        val = next((row["val_loss"] for _, row in mine if row.get("val_loss") is not None), None)
+        if val is not None:  # the replica that evaluates wrote it
+            rows[step]["val_loss"] = val
+    return rows, superseded
+
+
+def _replaced(heals: list[dict], row: dict) -> bool:
+    """The replica healed after writing this row, to its step or later: its state then came from a live peer."""
+    return any(h["time"] > row["backend"]["time"] and h["healed_at_step"] >= row["step"] for h in heals)
+
+
+def _same(a: dict, b: dict) -> bool:
+    """Two replicas' rows of one step are the same step: the same loss (the exchange's, identical in every member;
+    1e-9 for the float's JSON round trip) and the same ranks down and failed."""
+    if a["failed"] != b["failed"] or a["down"] != b["down"] or (a["loss"] is None) != (b["loss"] is None):
+        return False
+    return a["loss"] is None or abs(a["loss"] - b["loss"]) <= 1e-9 * max(1.0, abs(a["loss"]))
 
 
 def _windows(events: list, kinds: tuple) -> list[tuple[dict, float]]:
