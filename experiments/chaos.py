@@ -216,7 +216,7 @@ def check(s: Schedule, scratch: Path) -> dict:
     twin = _twin(s, out, scratch)
     exact = _twin(s, out, scratch, "torch") if s.seed % EXACT_EVERY == 0 or twin > TWIN_RTOL else None
     invariants = {
-        "once": _each_step_once(out, s),
+        "once": _each_step_once(out, s, events),
         "identical": _replicas_identical(out),
         "rejoined": sorted((m["rank"], m["restarted_at_step"]) for m in missing) == _not_back(events, out)
         and all(f"rank {m['rank']} (restarted" in last_line for m in missing),
@@ -248,22 +248,32 @@ def _replica_rows(out: Path) -> dict[int, list[dict]]:
     return found
 
 
-def _each_step_once(out: Path, s: Schedule) -> bool:
-    """Every step 1..S committed by some replica; each replica commits each step at most once, in order (a heal jumps
-    ahead, never back); replicas that committed a step agree on its loss and on who was down, but for a row whose
-    replica healed past it afterwards (a commit that died with its replica: mecefo.launch.lineage)."""
+def _each_step_once(out: Path, s: Schedule, events: list[dict]) -> bool:
+    """Every step 1..S committed; each replica commits each step at most once, in order (a heal jumps ahead, never
+    back); replicas that committed a step agree on its loss and on who was down, but for a version of a step that died
+    with the replicas that committed it alone (mecefo.launch.lineage, the merge's rule), and each such row is
+    confirmed by the launcher's own events: its replica was killed or died after writing it and before its next."""
     from mecefo.launch import lineage
     from mecefo.records import read_rows
 
     own = _replica_rows(out)
-    if any(b["step"] <= a["step"] for rows in own.values() for a, b in zip(rows, rows[1:])):
-        return False
     healed = [{"rank": int(p.name[len("rank"):-len(".heals.jsonl")]), **h}
               for p in (out / "replicas").glob("rank*.heals.jsonl") for h in read_rows(p)[0]]
+    finished = {json.loads(p.read_text())["backend"]["rank"] for p in (out / "replicas").glob("rank*.summary.json")}
     try:
-        rows, _ = lineage(own, healed)
+        rows, superseded = lineage(own, healed, finished)
     except TrainingStopped:
         return False
+    deaths = {}
+    for e in events:
+        if e["kind"] in ("kill", "down") and e.get("rank") is not None:
+            deaths.setdefault(e["rank"], []).append(e["time"])
+    for x in superseded:
+        mine = own[x["rank"]]
+        i = next(k for k, row in enumerate(mine) if row["step"] == x["step"])
+        t, t_next = mine[i]["backend"]["time"], mine[i + 1]["backend"]["time"] if i + 1 < len(mine) else float("inf")
+        if not any(t < d < t_next for d in deaths.get(x["rank"], [])):
+            return False
     return sorted(k for k in rows if k > 0) == list(range(1, s.steps + 1))
 
 
@@ -354,6 +364,7 @@ def summarise(runs: list[dict]) -> dict:
             "restart_to_waiting_s": _quantiles([p["to_waiting_s"] for r in mine for p in r["phases"]
                                                 if p["to_waiting_s"] is not None]),
             "not_rejoined": sum(len(r["not_rejoined"]) for r in mine), "crashes": sum(r["crashes"] for r in mine),
+            "superseded_rows": sum(len(r.get("superseded_rows", [])) for r in mine),
             "twin_max_rel": max((r["twin_max_rel"] for r in mine if r["twin_max_rel"] is not None), default=None),
             "torch_twin_max_rel": max((r["torch_twin_max_rel"] for r in mine if r.get("torch_twin_max_rel") is not None),
                                       default=None),

@@ -92,9 +92,13 @@ def section(result: dict) -> str:
     events = ", ".join(f"{k} {v.get('fired', 0)}" + (f" (+{v['expired']} expired)" if v.get("expired") else "")
                        for k, v in sorted(s["events"].items()))
     lines += ["", "Targets: " + "; ".join(met) + ".", "", f"Events fired over all schedules: {events}.", "",
-              f"The twins replay each run's `failed_steps.json`: the local backend within relative {result['twin_rtol']:g} "
-              "(its batched sums differ in order from an all-reduce's), the torch backend (torchrun, every "
-              f"{result.get('exact_every', 5)}th one-process schedule) summing as torchft does."]
+              f"The twins replay each run's `failed_steps.json` within relative {result['twin_rtol']:g}: the local backend "
+              "(its batched sums differ in order from an all-reduce's), and, on every "
+              f"{result.get('exact_every', 5)}th schedule and wherever the local twin is beyond that, the torch backend "
+              "(torchrun), which sums as torchft does and then decides. Steps committed by a replica alone that then died "
+              "with it (torchft agrees on a commit within a replica group, not across groups), superseded by the version "
+              "its peers redid: " + ", ".join(f"{f.get('superseded_rows', 0)} ({family})" for family, f in s["families"].items())
+              + "."]
     if s["lost"]:
         lines += ["", "Lost: " + "; ".join(f"seed {x['seed']}: {x['why']}" for x in s["lost"]) + "."]
     if s["violated"]:

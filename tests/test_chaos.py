@@ -195,3 +195,31 @@ def test_the_launchers_help_lists_every_kind_with_its_weight(capsys):
     assert exit_.value.code == 0 and "--chaos SEED[:RATE]" in out
     for kind in chaos.KINDS:
         assert f"  {kind.name} (" in out
+
+
+def _run(seed, family="one-process", **kw):
+    q = [1.0, 2.0]
+    return {"schedule": {"seed": seed}, "family": family, "lost": None, "violations": [], "resumed": False, "chaos": [],
+            "restart_to_rejoin_s": q, "kill_to_step_s": q, "phases": [], "not_rejoined": [], "crashes": 0,
+            "twin_max_rel": 1e-6, "torch_twin_max_rel": None, "superseded_rows": [], "seconds": 50.0} | kw
+
+
+def test_the_summary_and_the_readme_block_count_what_the_runs_say():
+    """experiments.chaos.summarise and paper_figures.chaos.section, on runs of every outcome: a run the merge refused
+    has no twin (it must not break the maximum, as it once did), a lost run counts as lost and nowhere else."""
+    from experiments.chaos import TARGETS, summarise
+    from paper_figures.chaos import section
+
+    runs = [_run(0, twin_max_rel=3e-5, superseded_rows=[{"rank": 0, "step": 15}]),
+            _run(1, violations=["once"], twin_max_rel=None, restart_to_rejoin_s=[], kill_to_step_s=[]),
+            {"schedule": {"seed": 2}, "family": "one-process", "lost": "not finished within 300 s"},
+            _run(1000, family="groups of 2", torch_twin_max_rel=2e-7)]
+    s = summarise(runs)
+    one, groups = s["families"]["one-process"], s["families"]["groups of 2"]
+    assert (one["schedules"], one["lost"], one["violations"], one["superseded_rows"]) == (3, 1, 1, 1)
+    assert one["twin_max_rel"] == 3e-5 and one["torch_twins"] == 0 and groups["torch_twin_max_rel"] == 2e-7
+    assert one["restart_to_rejoin_s"]["n"] == 2 and s["violated"] == [{"seed": 1, "violations": ["once"]}]
+    text = section({"summary": s, "targets": TARGETS, "profile": "default", "git_commit": "0" * 40, "hold_s": 0.3,
+                    "twin_rtol": 1e-4, "exact_every": 5})
+    assert "| one-process | 3 | 1 | 1 | 0 |" in text and "seed 2: not finished within 300 s" in text
+    assert "superseded by the version its peers redid: 1 (one-process), 0 (groups of 2)" in text

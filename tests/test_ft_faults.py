@@ -40,7 +40,7 @@ def _logs(out) -> str:
 def test_members_that_die_as_a_new_quorum_forms_do_not_hold_the_survivors(tmp_path):
     """5 ranks; rank 4 is killed at step 5 and rejoins: a new quorum (and process group) forms, and the moment it does,
     three of its members die, rank 0 among them, whose store the quorum uses (the first replica id). The survivors'
-    rendezvous at that store ends when the lighthouse counts the dead dead (about its 1 s heartbeat timeout) instead of
+    rendezvous at that store ends when the lighthouse counts the dead dead (about its heartbeat timeout, 0.5 s) instead of
     waiting for them for the store's 30 s timeout; every step once, the twin's curve."""
     out, args = tmp_path / "ft", ["--ranks", "5", "--steps", "80", "--eval_every", "80"]
     r = launch(out, *args, "--min-step-s", "0.15", "--spares", "0", "--kill", "4:5:6",
@@ -165,8 +165,9 @@ def test_a_group_healed_by_halves_in_the_middle_of_a_run_restarts_itself(tmp_pat
     """Group 1 (2 processes, FSDP2) is stalled for 7 s at step 10, longer than the collective timeout (4 s here): the
     others give up on it and train on; awake and behind, it heals, and its process 1's transfer fails (its source
     "died") while process 0's succeeds. A group holding two states kills itself; the launcher restarts it, it heals
-    whole, and the run ends with identical shards."""
-    out, args = tmp_path / "ft", ["--ranks", "3", "--steps", "40", "--eval_every", "40"]
+    whole, and the run ends with identical shards. (80 steps: the others, at 0.25 s a step, pass step 40 before the
+    group's commit times out after it wakes, 11 s after the stall began; with 40, the run sometimes ended first.)"""
+    out, args = tmp_path / "ft", ["--ranks", "3", "--steps", "80", "--eval_every", "80"]
     r = launch(out, *args, "--shard", "fsdp", "--group_size", "2", "--min-step-s", "0.25", "--stall", "1:10:7",
                env={"MECEFO_FT_FAULT_HEAL": "1/1", "MECEFO_FT_TIMEOUT_S": "4"}, timeout=400)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -71,31 +71,56 @@ def test_merge_refuses_records_that_are_not_one_run(tmp_path, rows, digests, mes
         assert json.loads((tmp_path / "summary.json").read_text())["rank_agreement"]["identical"] is False
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.integers(3, 5), st.integers(4, 12), st.data())
-def test_a_commit_that_died_with_its_replica_is_superseded_and_two_live_histories_are_refused(n, steps, data):
-    """Random histories: the run's rows (step s at time s, by every replica alive then), and orphans: a replica that
-    committed step s alone, with another loss, then died and healed later to a step >= s. lineage returns the run's
-    rows and exactly the orphans as superseded; an orphan whose replica never healed after it is refused."""
+@settings(max_examples=100, deadline=None)
+@given(st.integers(2, 5), st.integers(4, 12), st.data())
+def test_a_commit_that_died_with_its_replica_is_superseded_and_two_histories_that_went_on_are_refused(n, steps, data):
+    """Random histories. The run's step s is committed at time s by every replica alive then; the last replica commits
+    every step. Others may be killed and heal later (their rows stay the run's), and may commit an orphan (a step s
+    alone, with another loss) and then: heal before their next row, resuming at s + 1 or redoing s ("heal"); die for
+    good ("dead", no summary); or go on without a heal ("split", two histories). lineage returns the run's rows and
+    supersedes exactly the orphans of "heal" and "dead"; any "split" is refused."""
     run = {s: _row(s, 0, float(s), loss=5.0 - s / 100) for s in range(1, steps + 1)}
-    orphans = data.draw(st.sets(st.tuples(st.integers(0, n - 1), st.integers(1, steps)), max_size=3))
-    own, healed = {r: [] for r in range(n)}, []
-    for s in range(1, steps + 1):
-        for r in range(n):
-            if (r, s) in orphans:
-                own[r].append(_row(s, r, s + 0.1, loss=9.0))
-                healed.append({"rank": r, "healed_at_step": data.draw(st.integers(s, steps)), "time": s + 0.5})
-            elif not any(r == o and s - 1 <= so < s + 1 for o, so in orphans):  # down around its orphan
-                own[r].append(run[s] | {"backend": {"rank": r, "time": float(s)}})
-    if any(not any(x["step"] == s for rows in own.values() for x in rows if x["loss"] != 9.0) for s in run):
-        return  # every replica was an orphan at some step: no run's row to keep there
-    rows, superseded = lineage(own, healed)
-    assert [rows[s]["loss"] for s in run] == [run[s]["loss"] for s in run]
-    assert sorted((x["rank"], x["step"]) for x in superseded) == sorted(orphans)
-    if orphans:
-        r, s = sorted(orphans)[0]
-        with pytest.raises(TrainingStopped, match=f"step {s}: replicas disagree"):
-            lineage(own, [h for h in healed if h["rank"] != r])
+    own, healed, finished, expected, split = {}, [], set(range(n)), [], False
+    for r in range(n):
+        mine, s = [], 1
+        orphan = None if r == n - 1 else data.draw(st.none() | st.tuples(st.integers(1, steps),
+                                                                       st.sampled_from(["heal", "redo", "dead", "split"])))
+        kill = None if r == n - 1 else data.draw(st.none() | st.integers(1, steps))
+        while s <= steps:
+            if orphan and s == orphan[0]:
+                mine.append(_row(s, r, s + 0.1, loss=9.0))
+                how = orphan[1]
+                expected += [(r, s)] if how != "split" else []
+                split |= how == "split"
+                if how == "dead":
+                    finished.discard(r)
+                    break
+                if how in ("heal", "redo"):
+                    healed.append({"rank": r, "healed_at_step": s - (how == "redo"), "time": s + 0.5})
+                if how == "redo":
+                    mine.append(run[s] | {"backend": {"rank": r, "time": s + 0.6}})
+                s += 1
+                continue
+            mine.append(run[s] | {"backend": {"rank": r, "time": float(s)}})
+            if kill == s and (not orphan or orphan[0] != s + 1):  # killed after this row, back (healed) two steps on
+                healed.append({"rank": r, "healed_at_step": s + 2, "time": s + 2.5})
+                s += 2
+            s += 1
+        own[r] = mine
+    if split:
+        with pytest.raises(TrainingStopped, match="replicas disagree .* both went on"):
+            lineage(own, healed, finished)
+        return
+    rows, superseded = lineage(own, healed, finished)
+    assert [rows[s]["loss"] for s in sorted(rows)] == [run[s]["loss"] for s in run]
+    assert sorted((x["rank"], x["step"]) for x in superseded) == sorted(expected)
+
+
+def test_a_step_redone_by_a_replica_whose_first_version_was_not_discarded_is_a_step_committed_twice():
+    rows = [_row(1, 0, 1.0), _row(2, 0, 2.0), _row(2, 0, 2.5), _row(3, 0, 3.0)]
+    with pytest.raises(TrainingStopped, match="rank 0 committed a step twice"):
+        lineage({0: rows}, [], {0})
+    assert sorted(lineage({0: rows}, [{"rank": 0, "healed_at_step": 1, "time": 2.2}], {0})[0]) == [1, 2, 3]
 
 
 def test_resume_point_drops_what_came_after_the_checkpoint(tmp_path):

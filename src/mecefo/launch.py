@@ -51,12 +51,15 @@ from .records import atomic_write_json, atomic_write_text, git_commit, read_rows
 
 POLL_S = 0.02
 # How long the lighthouse waits for a live (heartbeating) replica that has not asked for the quorum yet before
-# forming one without it; a dead one drops out at the heartbeat timeout (1 s) whatever this is. It must exceed
+# forming one without it; a dead one drops out at the heartbeat timeout (0.5 s) whatever this is. It must exceed
 # the longest step plus heal: with 500 ms, a replica kept waiting through a peer's 5 s heal made the next quorum
 # form the moment one other peer arrived, leaving the third out by milliseconds, which then had to heal: the
 # replicas took turns healing every 2-3 steps for ever (measured). Below the quorum timeout (MECEFO_FT_TIMEOUT_S).
 JOIN_TIMEOUT_MS = int(os.environ.get("MECEFO_FT_LIGHTHOUSE_JOIN_MS", "20000"))
-HEARTBEAT_TIMEOUT_MS = 1000  # a replica whose manager has not heartbeated for this long is dead to the lighthouse
+# A replica whose manager has not heartbeated (every 100 ms, from torchft's manager server thread, which Python's GIL
+# does not hold up) for this long is dead to the lighthouse: the floor of the time from a kill to the next step. The
+# chaos harness: with 1000 ms, kill -> next step was 1.0-1.1 s at best (p95 3.8 s); with 500 ms, 0.5-0.6 s.
+HEARTBEAT_TIMEOUT_MS = int(os.environ.get("MECEFO_FT_HEARTBEAT_MS", "500"))
 TRAINING = ("step", "evaluating", "checkpointing")  # the statuses of a replica that trains (status word, then its step)
 SPARES = 2  # default --spares on the CPU, per process of a replica group (a kill of several ranks takes several)
 SPARE_BACKOFF_S = 10.0
@@ -598,15 +601,11 @@ def merge(out: Path, cfg, events: list, t0: float | None = None) -> dict:
         healed, torn = healed + [{"rank": r, **h} for h in found], torn + dropped
         own[r], dropped = read_rows(out / "replicas" / f"rank{r}.jsonl")  # a line torn by a kill mid-write is dropped:
         torn += dropped  # its step is in the other replicas' rows (a step missing from all of them is refused below)
-    rows, superseded = lineage(own, healed)
-    per_rank = {r: [row["step"] for row in found if row["step"] > 0] for r, found in own.items() if found}
+    finals = [json.loads(p.read_text()) for p in sorted((out / "replicas").glob("rank*.summary.json"))]
+    rows, superseded = lineage(own, healed, {f["backend"]["rank"] for f in finals})
     missing = [s for s in range(1, steps + 1) if s not in rows]
     if missing:
         raise TrainingStopped(f"steps {missing[:5]} were never committed")
-    for r, seq in per_rank.items():  # no step applied twice by a replica
-        if any(b <= a for a, b in zip(seq, seq[1:])):
-            raise TrainingStopped(f"rank {r} committed a step twice: {seq}")
-    finals = [json.loads(p.read_text()) for p in sorted((out / "replicas").glob("rank*.summary.json"))]
     if not finals:
         raise TrainingStopped("no replica wrote its summary")
     identical = all(f["backend"]["digest"] == finals[0]["backend"]["digest"] for f in finals)
@@ -633,52 +632,57 @@ def merge(out: Path, cfg, events: list, t0: float | None = None) -> dict:
     return summary
 
 
-def lineage(own: dict[int, list[dict]], healed: list[dict]) -> tuple[dict[int, dict], list[dict]]:
-    """The run's rows (step -> row) from each replica's committed rows, and the rows superseded ({rank, step}).
+def lineage(own: dict[int, list[dict]], healed: list[dict], finished: set[int]) -> tuple[dict[int, dict], list[dict]]:
+    """The run's rows (step -> row) from each replica's committed rows (in the order it wrote them), its heals and the
+    replicas that finished (wrote their summary); and the rows superseded ({rank, step}).
 
     torchft agrees on a commit within a replica group, not across groups: a replica can commit a step whose exchange
     failed for its peers (a dying peer's last message reached it alone) and die before any peer heals from it. The
-    others redo the step without it, and it, restarted, heals past it: its row of that step belongs to a history that
-    died with it. So where the replicas' rows of a step disagree (loss, or who failed), a version of the step is
-    superseded if every replica that wrote it healed afterwards, to that step or later (its state was replaced by a
-    live peer's). Exactly one version must remain: else two histories both went on, and the records are refused as
-    not one run."""
+    others redo the step without it, and it, restarted, heals: its row of that step belongs to a history that died
+    with it. A row's state was *discarded* if its replica healed after writing it and before writing its next row
+    (its state was replaced by a live peer's), or if it is the replica's last row and the replica neither healed
+    after it nor finished (it died holding it). Where the replicas' rows of a step disagree (loss, or who was down or
+    failed), the versions all of whose rows were discarded are superseded; exactly one version must remain, else two
+    histories went on and the records are refused as not one run. A replica's rows that were not discarded go up
+    step by step (a heal jumps ahead); a discarded row may be redone after its heal."""
     heals = {}
     for h in healed:
-        heals.setdefault(h["rank"], []).append(h)
-    rows, versions = {}, {}
+        heals.setdefault(h["rank"], []).append(h["time"])
+    rows, versions, discarded = {}, {}, set()
     for r, found in own.items():
-        for row in found:
-            if row["step"] == 0:  # the evaluation before training: every replica that started at 0 made it
-                rows.setdefault(0, row)
-                continue
-            versions.setdefault(row["step"], []).append((r, row))
+        mine = [row for row in found if row["step"] > 0]
+        for i, row in enumerate(mine):
+            t, t_next = row["backend"]["time"], mine[i + 1]["backend"]["time"] if i + 1 < len(mine) else float("inf")
+            if any(t < h < t_next for h in heals.get(r, [])) or (t_next == float("inf") and r not in finished):
+                discarded.add((r, i))
+            versions.setdefault(row["step"], []).append((r, i, row))
+        kept = [row["step"] for i, row in enumerate(mine) if (r, i) not in discarded]
+        if any(b <= a for a, b in zip(kept, kept[1:])):
+            raise TrainingStopped(f"rank {r} committed a step twice: {kept}")
+        rows.setdefault(0, next((row for row in found if row["step"] == 0), None))
     superseded = []
     for step, mine in sorted(versions.items()):
-        sides = []  # the distinct versions of the step, each with the replicas that wrote it
-        for r, row in mine:
-            side = next((x for x in sides if _same(x[0][1], row)), None)
+        sides = []  # the distinct versions of the step, each with the rows that wrote it
+        for r, i, row in mine:
+            side = next((x for x in sides if _same(x[0][2], row)), None)
             if side is None:
                 sides.append(side := [])
-            side.append((r, row))
+            side.append((r, i, row))
         if len(sides) > 1:
-            live = [side for side in sides if not all(_replaced(heals.get(r, []), row) for r, row in side)]
+            live = [side for side in sides if not all((r, i) in discarded for r, i, _ in side)]
             if len(live) != 1:
                 ranks = [side[0][0] for side in sides]
-                raise TrainingStopped(f"step {step}: replicas disagree (rank {ranks[0]} vs rank {ranks[1]}), and not all "
-                                      f"but one version was replaced by a heal: two histories went on")
-            superseded += [{"rank": r, "step": step} for side in sides if side is not live[0] for r, _ in side]
+                raise TrainingStopped(f"step {step}: replicas disagree (rank {ranks[0]} vs rank {ranks[1]}), and "
+                                      f"{'both' if live else 'neither'} went on")
+            superseded += [{"rank": r, "step": step} for side in sides if side is not live[0] for r, _, _ in side]
             mine = live[0]
-        rows[step] = dict(mine[0][1])
-        val = next((row["val_loss"] for _, row in mine if row.get("val_loss") is not None), None)
+        rows[step] = dict(mine[0][2])
+        val = next((row["val_loss"] for _, _, row in mine if row.get("val_loss") is not None), None)
         if val is not None:  # the replica that evaluates wrote it
             rows[step]["val_loss"] = val
+    if rows[0] is None:
+        del rows[0]
     return rows, superseded
-
-
-def _replaced(heals: list[dict], row: dict) -> bool:
-    """The replica healed after writing this row, to its step or later: its state then came from a live peer."""
-    return any(h["time"] > row["backend"]["time"] and h["healed_at_step"] >= row["step"] for h in heals)
 
 
 def _same(a: dict, b: dict) -> bool:

@@ -1,7 +1,7 @@
 """Telling "the cluster is gone" from "the cluster is recovering" on the torchft backend.
 
 torchft's lighthouse knows who is alive: every replica's manager heartbeats to it, and it counts a replica
-dead once its last heartbeat is older than its heartbeat timeout (1 s under mecefo.launch). The lighthouse
+dead once its last heartbeat is older than its heartbeat timeout (0.5 s under mecefo.launch, MECEFO_FT_HEARTBEAT_MS). The lighthouse
 publishes that view on its status page, with the age of the last quorum it formed. This module reads it, and
 uses it where a torchft wait would otherwise run to a fixed timeout:
 
