@@ -116,11 +116,13 @@ def test_a_commit_that_died_with_its_replica_is_superseded_and_two_histories_tha
     assert sorted((x["rank"], x["step"]) for x in superseded) == sorted(expected)
 
 
-def test_a_step_redone_by_a_replica_whose_first_version_was_not_discarded_is_a_step_committed_twice():
+def test_a_step_redone_by_a_replica_whose_first_version_was_not_discarded_is_a_step_committed_twice_and_step_0_kept():
     rows = [_row(1, 0, 1.0), _row(2, 0, 2.0), _row(2, 0, 2.5), _row(3, 0, 3.0)]
     with pytest.raises(TrainingStopped, match="rank 0 committed a step twice"):
         lineage({0: rows}, [], {0})
     assert sorted(lineage({0: rows}, [{"rank": 0, "healed_at_step": 1, "time": 2.2}], {0})[0]) == [1, 2, 3]
+    evaluated = {"step": 0, "val_loss": 6.0}  # only a replica that started at step 0 has the evaluation before it
+    assert lineage({0: rows[:2], 1: [evaluated, *rows[:2]]}, [], {0, 1})[0][0] == evaluated
 
 
 def test_resume_point_drops_what_came_after_the_checkpoint(tmp_path):

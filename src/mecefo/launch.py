@@ -659,7 +659,9 @@ def lineage(own: dict[int, list[dict]], healed: list[dict], finished: set[int]) 
         kept = [row["step"] for i, row in enumerate(mine) if (r, i) not in discarded]
         if any(b <= a for a, b in zip(kept, kept[1:])):
             raise TrainingStopped(f"rank {r} committed a step twice: {kept}")
-        rows.setdefault(0, next((row for row in found if row["step"] == 0), None))
+        first = next((row for row in found if row["step"] == 0), None)  # the evaluation before training
+        if first is not None:
+            rows.setdefault(0, first)
     superseded = []
     for step, mine in sorted(versions.items()):
         sides = []  # the distinct versions of the step, each with the rows that wrote it
@@ -680,8 +682,6 @@ def lineage(own: dict[int, list[dict]], healed: list[dict], finished: set[int]) 
         val = next((row["val_loss"] for _, _, row in mine if row.get("val_loss") is not None), None)
         if val is not None:  # the replica that evaluates wrote it
             rows[step]["val_loss"] = val
-    if rows[0] is None:
-        del rows[0]
     return rows, superseded
 
 
