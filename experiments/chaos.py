@@ -253,15 +253,12 @@ def _each_step_once(out: Path, s: Schedule, events: list[dict]) -> bool:
     back); replicas that committed a step agree on its loss and on who was down, but for a version of a step that died
     with the replicas that committed it alone (mecefo.launch.lineage, the merge's rule), and each such row is
     confirmed by the launcher's own events: its replica was killed or died after writing it and before its next."""
-    from mecefo.launch import lineage
-    from mecefo.records import read_rows
+    from mecefo.launch import lineage, read_replicas
 
-    own = _replica_rows(out)
-    healed = [{"rank": int(p.name[len("rank"):-len(".heals.jsonl")]), **h}
-              for p in (out / "replicas").glob("rank*.heals.jsonl") for h in read_rows(p)[0]]
-    finished = {json.loads(p.read_text())["backend"]["rank"] for p in (out / "replicas").glob("rank*.summary.json")}
+    own, healed, finals, _ = read_replicas(out, s.ranks)
+    own = {r: [row for row in rows if row.get("step")] for r, rows in own.items()}
     try:
-        rows, superseded = lineage(own, healed, finished)
+        rows, superseded = lineage(own, healed, {f["backend"]["rank"] for f in finals})
     except TrainingStopped:
         return False
     deaths = {}

@@ -595,13 +595,7 @@ def merge(out: Path, cfg, events: list, t0: float | None = None) -> dict:
     recovery timings). events: the supervisor's (none for replicas started by hand); t0: when the launch
     started (None: the wall time runs from the first committed step to the last)."""
     n, steps = cfg.cluster.ranks, cfg.train.steps
-    own, healed, torn = {}, [], 0
-    for r in range(n):
-        found, dropped = read_rows(out / "replicas" / f"rank{r}.heals.jsonl")
-        healed, torn = healed + [{"rank": r, **h} for h in found], torn + dropped
-        own[r], dropped = read_rows(out / "replicas" / f"rank{r}.jsonl")  # a line torn by a kill mid-write is dropped:
-        torn += dropped  # its step is in the other replicas' rows (a step missing from all of them is refused below)
-    finals = [json.loads(p.read_text()) for p in sorted((out / "replicas").glob("rank*.summary.json"))]
+    own, healed, finals, torn = read_replicas(out, n)
     rows, superseded = lineage(own, healed, {f["backend"]["rank"] for f in finals})
     missing = [s for s in range(1, steps + 1) if s not in rows]
     if missing:
@@ -630,6 +624,20 @@ def merge(out: Path, cfg, events: list, t0: float | None = None) -> dict:
     if not identical:
         raise TrainingStopped(f"the live replicas ended with different parameters (ranks {summary['rank_agreement']})")
     return summary
+
+
+def read_replicas(out: Path, n: int) -> tuple[dict[int, list[dict]], list[dict], list[dict], int]:
+    """The replicas' files under OUT/replicas: each rank's committed rows, every heal ({rank, healed_at_step, time}),
+    the summaries of those that finished, and how many torn lines were dropped (a line torn by a kill mid-write: its
+    step is in the other replicas' rows, and a step missing from all of them is refused by the merge)."""
+    own, healed, torn = {}, [], 0
+    for r in range(n):
+        found, dropped = read_rows(out / "replicas" / f"rank{r}.heals.jsonl")
+        healed, torn = healed + [{"rank": r, **h} for h in found], torn + dropped
+        own[r], dropped = read_rows(out / "replicas" / f"rank{r}.jsonl")
+        torn += dropped
+    finals = [json.loads(p.read_text()) for p in sorted((out / "replicas").glob("rank*.summary.json"))]
+    return own, healed, finals, torn
 
 
 def lineage(own: dict[int, list[dict]], healed: list[dict], finished: set[int]) -> tuple[dict[int, dict], list[dict]]:
