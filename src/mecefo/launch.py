@@ -171,6 +171,14 @@ class Supervisor:
     spare_backoff_until: float = 0.0  # after a spare died unassigned: start the next one no sooner
     first_step: int = 0  # the step this launch starts from (a restart before any commit is a start)
     wait_for: int = 1  # the replicas the run's first step waits for
+    polling: bool = False  # in run()'s loop: a signal is only recorded, and the loop raises it (see interrupt)
+    interrupted: bool = False
+
+    def interrupt(self) -> None:
+        """Ctrl-C, SIGTERM or SIGHUP while the loop runs: recorded here, raised by the loop at its next poll. Raised
+        from the handler itself, the KeyboardInterrupt could land in an at-fork callback of a replica's Popen, where
+        Python prints it as 'Exception ignored' and drops it (CI saw this with two Ctrl-C 50 ms apart)."""
+        self.interrupted = True
 
     def log(self, msg: str, **event) -> None:
         if event:
@@ -355,16 +363,20 @@ class Supervisor:
     def run(self, initially_down: frozenset[int]) -> None:
         n, steps = self.cfg.cluster.ranks, self.cfg.train.steps
         self.first_step, self.wait_for = self.furthest, n - len(initially_down)
+        self.polling = True  # stays True if the loop raises: a second signal during the clean-up is only recorded
         for r in range(n):
             if r not in initially_down:
                 self.start(r, "initial", wait_for=self.wait_for)
         while True:
+            if self.interrupted:
+                raise KeyboardInterrupt
             self.tick()
             statuses = self.statuses()
             self.rejoining = {r for r in self.rejoining if r in self.procs and statuses.get(r) not in (*TRAINING, "finished")}
             if not set(self.procs) - self.rejoining:  # nobody left who trains (a restarted one cannot heal)
                 if self.committed() >= steps:
                     self.stop()  # a replica still waiting to rejoin a finished run
+                    self.polling = False
                     return
                 raise TrainingStopped(
                     f"all {n} replicas are dead at step {self.committed()}; nobody is left to heal the others"
@@ -877,8 +889,14 @@ def main(argv: list[str] | None = None, restore_signals: bool = True) -> int:
                 earlier = out / "events.json"
                 supervisor.events = json.loads(earlier.read_text())["events"] if earlier.exists() else []
                 supervisor.log(f"resumed from the checkpoint of step {start_step}", kind="resume", step=start_step)
-            for sig in signals:  # Ctrl-C, a closed terminal, a scheduler's stop: all end the launch the same way (and
-                signal.signal(sig, _interrupt)  # SIGINT too where it was inherited ignored, as in a background job)
+            def on_signal(*_):  # Ctrl-C, a closed terminal, a scheduler's stop: all end the launch the same way
+                if supervisor.polling:
+                    supervisor.interrupt()
+                else:
+                    raise KeyboardInterrupt
+
+            for sig in signals:  # (SIGINT too where it was inherited ignored, as in a background job)
+                signal.signal(sig, on_signal)
             supervisor.run(down0)
             summary = merge(out, cfg, supervisor.events, supervisor.t0)
             merged = True
@@ -918,10 +936,6 @@ def merge_by_hand(out: Path, other_flags) -> int:
     summary = merge(out, cfg, [])
     print(f"merged {cfg.cluster.ranks} replicas' records: val loss {summary['final_val_loss']:.4f} -> {out}", flush=True)
     return 0
-
-
-def _interrupt(*_):
-    raise KeyboardInterrupt
 
 
 def _not_rejoined(missing: list[dict]) -> str:
