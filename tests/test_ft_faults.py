@@ -2,7 +2,7 @@
 members dying as a new quorum forms (the store's host, two at once), the lighthouse down for longer than every
 timeout or gone, a replica that crashes, an FSDP group's checkpoint write longer than the timeouts, a step voided
 for ever, a group healed by halves in the middle of a run, two restarted replicas alone while the only live one is
-stalled, a step committed by one replica alone that died with it, and a restart too late to rejoin. The faults (mecefo.ft's FAULT_* variables) act in a replica's first life."""
+stalled, a step committed by one replica alone that died with it, a replica stalled across a lighthouse restart, and a restart too late to rejoin. The faults (mecefo.ft's FAULT_* variables) act in a replica's first life."""
 
 import json
 
@@ -81,6 +81,25 @@ def test_a_step_committed_by_a_replica_that_then_died_alone_is_redone_and_its_ro
     orphan = next(row for row in own if row["step"] == 15)
     assert orphan["down"] == [] and metrics(out)[15]["down"] == [0]  # both committed step 15: the fault did land
     assert json.loads((out / "summary.json").read_text())["backend"]["superseded_rows"] == [{"rank": 0, "step": 15}]
+    _twin(out, tmp_path, args)
+
+
+def test_a_replica_stalled_across_a_lighthouse_restart_waits_for_its_peers_instead_of_training_alone(tmp_path):
+    """Rank 0 is stopped (SIGSTOP) at step 10 for 4 s; ranks 1 and 2 go on without it, and at step 14 the lighthouse is
+    killed (a new one after 1 s) and ranks 1 and 2 are stopped for 6 s. Rank 0 wakes first, at a lighthouse that has
+    heard from nobody else, whose split-brain guard would pass with rank 0 alone: it would train a second history from
+    step 10 (chaos seed 13 stopped with 'step 41: replicas disagree ..., and both went on'). It waits for the members
+    of its last quorum instead and heals from them; every step once, the twin's curve."""
+    out, args = tmp_path / "ft", ["--ranks", "3", "--steps", "40", "--eval_every", "40"]
+    r = launch(out, *args, "--min-step-s", "0.15", "--stall", "0:10:4", "--kill", "lighthouse:14:1",
+               "--stall", "1:14:6", "--stall", "2:14:6")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    waited = [line for line in (out / "replicas" / "rank0.log").read_text(errors="replace").splitlines()
+              if line.startswith("the lighthouse had heard nothing of")]
+    assert waited and "mecefo_1" in waited[0] and "mecefo_2" in waited[0]  # rank 0 did meet the new lighthouse alone
+    heals = [json.loads(line) for line in (out / "replicas" / "rank0.heals.jsonl").read_text().splitlines()]
+    assert [h["healed_at_step"] for h in heals] == [14]  # from ranks 1 and 2, where they stopped
+    assert not json.loads((out / "summary.json").read_text())["backend"].get("superseded_rows")
     _twin(out, tmp_path, args)
 
 

@@ -205,3 +205,40 @@ def test_an_error_while_applying_a_heal_is_raised_not_retried(monkeypatch):
     with pytest.raises(RuntimeError, match="cannot heal"):
         liveness.wait_for_quorum(manager, "http://lighthouse", stall_s=10, try_s=1)
     assert manager.calls == 1
+
+
+def test_a_restarted_lighthouse_is_given_time_to_hear_from_the_last_quorum_before_a_quorum_is_asked(monkeypatch, capsys):
+    """A lighthouse restarted while this replica was stalled knows only who heartbeated since: the replica waits until
+    it has heard from every member of its last quorum (a member's later process, with a new uuid, counts: the old one
+    is dead) before it asks for a quorum, and not longer than the grace; a lighthouse that formed the last quorum (it
+    knows its members, alive or dead) costs one read. Only a replica whose last quorum is older than CHECK_AFTER_S, or
+    whose last try failed, looks."""
+    members = ["mecefo_0:a", "mecefo_1:b", "mecefo_2:c"]
+    fresh = liveness.Status({"mecefo_0:a": 0.0}, frozenset(), 0, None, None)
+    later = liveness.Status({"mecefo_0:a": 0.0, "mecefo_1:b": 0.1, "mecefo_2:d": 0.0}, frozenset(), 0, None, None)
+    assert liveness.unknown_members(fresh, members) == ["mecefo_1:b", "mecefo_2:c"]
+    assert liveness.unknown_members(later, members) == []  # mecefo_2's new process stands for its dead one
+    answers = iter([fresh] * 5 + [later] * 10**6)
+    monkeypatch.setattr(liveness, "STATUS_EVERY_S", 0.01)
+    monkeypatch.setattr(liveness, "read_status", lambda address, timeout_s=1.0: next(answers))
+    assert liveness.await_members("http://lighthouse", members) == []
+    assert next(answers) is later  # it read until the members appeared, and no further
+    assert "heard nothing of mecefo_1, mecefo_2 (of the last quorum)" in capsys.readouterr().out
+    monkeypatch.setattr(liveness, "read_status", lambda address, timeout_s=1.0: fresh)
+    t0 = time.monotonic()
+    assert liveness.await_members("http://lighthouse", members, grace_s=0.2) == ["mecefo_1:b", "mecefo_2:c"]
+    assert 0.2 <= time.monotonic() - t0 < 2 and "never heard: mecefo_1, mecefo_2" in capsys.readouterr().out
+
+    class Recorder:
+        last, at = type("Result", (), {"replica_ids": members})(), time.monotonic()
+
+    reads = []
+    monkeypatch.setattr(liveness, "read_status", lambda address, timeout_s=1.0: reads.append(1) or later)
+    monkeypatch.setattr(liveness, "RETRY_GRACE_S", 0.0)
+    liveness.wait_for_quorum(_Manager(0), "http://lighthouse", stall_s=10, try_s=1, recorder=Recorder)
+    assert reads == []  # a recent quorum: straight to the next
+    liveness.wait_for_quorum(_Manager(1), "http://lighthouse", stall_s=10, try_s=1, recorder=Recorder)
+    assert len(reads) == 2  # the failed try's own read, then the members' before the retry
+    Recorder.at -= 2 * liveness.CHECK_AFTER_S
+    liveness.wait_for_quorum(_Manager(0), "http://lighthouse", stall_s=10, try_s=1, recorder=Recorder)
+    assert len(reads) == 3

@@ -156,7 +156,7 @@ class FtCluster(Backend):
         progress (mecefo.liveness.wait_for_quorum); then healed() on what happened in it."""
         heals = self.heals
         try:
-            liveness.wait_for_quorum(self.manager, self.lighthouse, STALL_S, TIMEOUT_S)
+            liveness.wait_for_quorum(self.manager, self.lighthouse, STALL_S, TIMEOUT_S, self.manager._client)
         except TimeoutError as e:
             raise TrainingStopped(f"rank {self.rank}: waited for a quorum at the lighthouse {self.lighthouse} in vain: "
                                   f"{e}") from None

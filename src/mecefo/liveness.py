@@ -14,7 +14,13 @@ uses it where a torchft wait would otherwise run to a fixed timeout:
   wakes in a rendezvous they have left);
 - the quorum itself (`wait_for_quorum`): a replica waits as long as the cluster makes progress (the
   lighthouse formed a quorum within MECEFO_FT_STALL_S) and the lighthouse answers (a restarted lighthouse
-  included), instead of stopping at a fixed timeout while the others are recovering.
+  included), instead of stopping at a fixed timeout while the others are recovering;
+- a restarted lighthouse (`await_members`): it knows only the replicas that heartbeat to it since it started,
+  and torchft's managers reconnect their heartbeat with a backoff of up to 10 s, so its split-brain guard (more
+  than half of the heartbeating replicas) can pass with one replica alone. A replica stalled while its peers
+  went on, and woken first, would then train a second history from a step they passed (chaos seed 13). Before
+  a quorum, a replica that may have fallen behind (its last quorum is older than CHECK_AFTER_S, or its last try
+  failed) waits until the lighthouse knows every member of its last quorum, or REJOIN_GRACE_S.
 
 The process group's store prefix is also made unique per quorum (its id, step and members): a restarted
 lighthouse counts quorum ids from 1 again, and a store that served an earlier quorum of the same id still
@@ -38,6 +44,12 @@ STATUS_EVERY_S = 0.1  # between reads of the lighthouse's status page while wait
 # live replica's heartbeat (every 100 ms) before a quorum forms, or its split-brain guard (more than half of the
 # replicas heartbeating) could pass with the first replica alone, at a step the others have passed.
 RETRY_GRACE_S = 1.0
+# A replica whose last quorum is older than this may have been left behind (the lighthouse counts a replica dead after
+# its heartbeat timeout: 0.5 s under mecefo.launch): before its next quorum it checks that the lighthouse knows its peers.
+CHECK_AFTER_S = 0.5
+# How long a replica waits for a restarted lighthouse to hear from the members of its last quorum: torchft's managers
+# retry their connection with a backoff that grows to 10 s (and 0.1 s of jitter), so a live member reappears within it.
+REJOIN_GRACE_S = 11.0
 # Once every member has marked its arrival, gloo's own rendezvous (each member's address through the store, then a
 # connection to each) takes milliseconds; a member that died just after arriving would still hold it for the process
 # group's whole timeout, so it runs under this one, and the collectives get the long one back after it.
@@ -139,9 +151,11 @@ class QuorumRecorder:
 
     def __init__(self, client, after=None):
         self._client, self.last, self.after = client, None, after  # after(result): a hook (the tests' faults)
+        self.at = time.monotonic()  # when the last quorum returned
 
     def _quorum(self, *args, **kwargs):
         self.last = self._client._quorum(*args, **kwargs)
+        self.at = time.monotonic()
         if self.after is not None:
             self.after(self.last)
         return self.last
@@ -185,14 +199,46 @@ def process_group(device_type: str, timeout: timedelta):
                 {"rendezvous_timeout_applies": base is ProcessGroupGloo})(timeout=timeout)
 
 
-def wait_for_quorum(manager, lighthouse: str, stall_s: float, try_s: float) -> None:
+def unknown_members(status: Status, members) -> list[str]:
+    """The members (torchft replica ids, NAME:uuid) of which the lighthouse has heard nothing: no heartbeat from
+    them, nor from a later process of the same NAME (a restarted replica has a new uuid, and its old one is dead)."""
+    names = {h.rpartition(":")[0] for h in status.heartbeats}
+    return [m for m in members if m not in status.heartbeats and m.rpartition(":")[0] not in names]
+
+
+def await_members(lighthouse: str, members, grace_s: float = REJOIN_GRACE_S) -> list[str]:
+    """Wait until the lighthouse has heard from every member of this replica's last quorum (at once on a lighthouse
+    that formed that quorum; a restarted one hears from them as their managers reconnect), or grace_s has passed, or
+    the lighthouse does not answer (the quorum's own retries handle that). Returns those it never heard from."""
+    start, first = time.monotonic(), None
+    while True:
+        status = read_status(lighthouse)
+        missing = unknown_members(status, members) if status is not None else []
+        first = missing if first is None else first
+        if not missing or time.monotonic() - start > grace_s:
+            if first:
+                names = lambda ids: ", ".join(m.rpartition(":")[0] for m in ids)  # noqa: E731 (without their uuids)
+                print(f"the lighthouse had heard nothing of {names(first)} (of the last quorum): waited "
+                      f"{time.monotonic() - start:.1f} s for them" + (f"; never heard: {names(missing)}" if missing else ""),
+                      flush=True)
+            return missing
+        time.sleep(STATUS_EVERY_S)
+
+
+def wait_for_quorum(manager, lighthouse: str, stall_s: float, try_s: float, recorder: QuorumRecorder | None = None) -> None:
     """torchft's start_quorum, retried while the cluster makes progress: each try waits try_s; a replica stops
     waiting (TimeoutError) only when no quorum has formed at the lighthouse for stall_s (counted from the last one seen,
     or from when a restarted lighthouse came back), or the lighthouse has not answered for stall_s. Only a failed quorum
-    is retried: an error raised while the quorum's heal is applied (the state it received) is raised as it is."""
+    is retried: an error raised while the quorum's heal is applied (the state it received) is raised as it is.
+    With the recorder of the manager's quorums, a try that follows a failed one, or a last quorum older than
+    CHECK_AFTER_S, first waits for the lighthouse to know the last quorum's members (await_members)."""
     last_progress = last_answer = time.monotonic()
-    gone = False
+    gone = retried = False
     while True:
+        last = recorder.last if recorder is not None else None
+        if last is not None and (retried or time.monotonic() - recorder.at > CHECK_AFTER_S):
+            await_members(lighthouse, sorted(last.replica_ids))
+        retried = True
         try:
             manager.start_quorum(timeout=timedelta(seconds=try_s))
             return
