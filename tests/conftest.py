@@ -80,3 +80,15 @@ def torchrun(n: int, args: list[str], timeout=300):
 def launch(out, *args, env=None, timeout=240):
     """mecefo.launch on nano into OUT."""
     return python_module("mecefo.launch", *NANO, "--out", str(out), *args, env=env, timeout=timeout)
+
+
+def lock_holding_process(out):
+    """Another process holding OUT/run.lock as a live run does (mecefo.runfolder.take_lock), until killed."""
+    import subprocess
+    import sys
+
+    code = ("import sys, time; from pathlib import Path; from mecefo.runfolder import take_lock; "
+            "take_lock(Path(sys.argv[1])); print('held', flush=True); time.sleep(120)")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(out)], env=subprocess_env(), stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder

@@ -14,7 +14,7 @@ from mecefo.errors import UsageError
 from mecefo.failures import read_failed_steps, resolve
 from mecefo.launch import kill_plan
 from mecefo.train import main as train_main
-from tests.conftest import NANO, ROOT, launch, metrics
+from tests.conftest import NANO, ROOT, launch, lock_holding_process, metrics
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -206,14 +206,11 @@ def test_the_launcher_refuses_bad_input_before_writing_anything(args, message, t
 
 
 def test_a_second_launch_on_the_out_of_a_live_one_is_refused(tmp_path, capsys):
-    import subprocess
-
     from mecefo.launch import main as launch_main
 
     out = tmp_path / "ft"
     out.mkdir()
-    live = subprocess.Popen(["sleep", "60"])  # stands for the launcher holding out
-    (out / "run.lock").write_text(f"{live.pid}\n")
+    live = lock_holding_process(out)  # stands for the launcher holding out
     try:
         assert launch_main([*NANO, "--out", str(out), "--ranks", "2", "--steps", "4"]) == 2
         err = capsys.readouterr().err

@@ -15,7 +15,7 @@ from mecefo import data as data_mod
 from mecefo.config import OptimConfig
 from mecefo.errors import UsageError
 from mecefo.train import lr_at, main, run
-from tests.conftest import metrics
+from tests.conftest import lock_holding_process, metrics
 
 from .conftest import cuda, write_c4_shard
 
@@ -152,9 +152,8 @@ def test_a_second_run_on_the_out_of_a_live_run_is_refused_and_a_stale_lock_is_ta
     out = tmp_path / "run"
     out.mkdir()
     argv = ["--config", str(CONFIGS / "nano.toml"), "--steps", "3", "--eval_every", "3", "--out", str(out), "--quiet"]
-    holder = subprocess.Popen(["sleep", "60"])  # stands for a live run training into out
+    holder = lock_holding_process(out)  # a live run training into out
     try:
-        (out / "run.lock").write_text(f"{holder.pid}\n")
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert f"is in use by a live run (pid {holder.pid}" in err and err.count("\n") == 1
@@ -162,7 +161,8 @@ def test_a_second_run_on_the_out_of_a_live_run_is_refused_and_a_stale_lock_is_ta
     finally:
         holder.kill()
         holder.wait()
-    assert main(argv) == 0  # its process is gone (as after a SIGKILL): the lock is stale and taken over
+    assert (out / "run.lock").read_text() == f"{holder.pid}\n"  # what a SIGKILLed run leaves: a file nobody holds
+    assert main(argv) == 0  # its process is gone: the kernel released its lock, which is taken
     assert (out / "summary.json").exists() and not (out / "run.lock").exists()  # released at the end
 
 

@@ -27,7 +27,7 @@ and recovery timings under "backend", and the restarted ranks that did not rejoi
 they were doing), events.json (kills, restarts, exits, chaos events and every change of a replica's status,
 when each rank healed, and the recovery timings), failed_steps.json (the ranks down at every step, for the simulated twin:
 `python -m mecefo.train ... --failures steps:DIR/failed_steps.json`), and replicas/ (each replica's rows,
-heals, summary, status and log). OUT/run.lock holds the launcher's pid while it runs.
+heals, summary, status and log). OUT/run.lock is held by the launcher while it runs (mecefo.runfolder).
 """
 
 from __future__ import annotations
@@ -806,7 +806,8 @@ def main(argv: list[str] | None = None, restore_signals: bool = True) -> int:
         signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
         original = {sig: signal.getsignal(sig) for sig in signals}
         try:
-            from .train import parse_args as train_args, release_lock, take_lock
+            from .runfolder import release_lock, take_lock
+            from .train import parse_args as train_args
 
             args, rest = parser.parse_known_args(argv)
             if args.merge:

@@ -38,6 +38,7 @@ from .model import GPT, count_parameters, preset
 from .neighbour import LowRankWgrad, Techniques
 from .plan import rank_flops
 from .records import atomic_write_json, atomic_write_text, git_commit, package_versions
+from .runfolder import LOCK, lock_holder, release_lock, take_lock
 
 
 def lr_at(step: int, optim: config_mod.OptimConfig, total_steps: int) -> float:
@@ -139,58 +140,6 @@ def evaluate(model: GPT, data: TokenData, split: str, device: torch.device, prec
     return total / rows
 
 
-LOCK = "run.lock"  # OUT/run.lock: the pid of the process training into OUT
-
-
-def _lock_holder(out: Path) -> int | None:
-    """The pid of another live process holding OUT/run.lock (None: no lock, ours, or a stale one whose process
-    is gone, e.g. after a SIGKILL)."""
-    try:
-        pid = int((out / LOCK).read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    if pid == os.getpid():
-        return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return None
-    except PermissionError:  # alive, another user's
-        pass
-    return pid
-
-
-def take_lock(out: Path) -> Path:
-    """Create OUT/run.lock holding this pid atomically (O_EXCL): a second run on a live run's --out is refused;
-    a stale lock (its process gone, e.g. after a SIGKILL) is taken over."""
-    lock = out / LOCK
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    for _ in range(3):
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            holder = _lock_holder(out)
-            if holder is not None:
-                raise UsageError(f"--out {out} is in use by a live run (pid {holder}, {lock}); wait for it to end or "
-                                 "choose another --out") from None
-            lock.unlink(missing_ok=True)  # stale, or ours from an earlier run in this process
-            continue
-        with os.fdopen(fd, "w") as f:
-            f.write(f"{os.getpid()}\n")
-        return lock
-    raise UsageError(f"--out {out}: {lock} keeps being taken by another process")
-
-
-def release_lock(out: Path) -> None:
-    """Remove OUT/run.lock if this process holds it."""
-    lock = out / LOCK
-    try:
-        if int(lock.read_text().split()[0]) == os.getpid():
-            lock.unlink()
-    except (OSError, ValueError, IndexError):
-        pass
-
-
 def _prepare_out(out: Path, cfg: Config, resume: bool) -> dict:
     """Decide what to do with an existing DIR: reuse a finished run ({"finished": summary}), resume from its
     checkpoint ({"resume": True}), start afresh, or refuse to overwrite (UsageError)."""
@@ -199,7 +148,7 @@ def _prepare_out(out: Path, cfg: Config, resume: bool) -> dict:
     if not existing.is_dir() or not os.access(existing, os.W_OK):
         raise UsageError(f"--out {out} cannot be a run folder: {existing} is "
                          + ("not a directory" if not existing.is_dir() else "not writable"))
-    holder = _lock_holder(out)
+    holder = lock_holder(out)
     if holder is not None:
         raise UsageError(f"--out {out} is in use by a live run (pid {holder}, {out / LOCK}); wait for it to end or "
                          "choose another --out")
