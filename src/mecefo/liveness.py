@@ -199,11 +199,16 @@ def process_group(device_type: str, timeout: timedelta):
                 {"rendezvous_timeout_applies": base is ProcessGroupGloo})(timeout=timeout)
 
 
+def replica_name(replica_id: str) -> str:
+    """A torchft replica id (NAME:uuid) without its uuid: the same for every process of one rank."""
+    return replica_id.rpartition(":")[0]
+
+
 def unknown_members(status: Status, members) -> list[str]:
     """The members (torchft replica ids, NAME:uuid) of which the lighthouse has heard nothing: no heartbeat from
     them, nor from a later process of the same NAME (a restarted replica has a new uuid, and its old one is dead)."""
-    names = {h.rpartition(":")[0] for h in status.heartbeats}
-    return [m for m in members if m not in status.heartbeats and m.rpartition(":")[0] not in names]
+    names = {replica_name(h) for h in status.heartbeats}
+    return [m for m in members if m not in status.heartbeats and replica_name(m) not in names]
 
 
 def await_members(lighthouse: str, members, grace_s: float = REJOIN_GRACE_S) -> list[str]:
@@ -217,10 +222,9 @@ def await_members(lighthouse: str, members, grace_s: float = REJOIN_GRACE_S) -> 
         first = missing if first is None else first
         if not missing or time.monotonic() - start > grace_s:
             if first:
-                names = lambda ids: ", ".join(m.rpartition(":")[0] for m in ids)  # noqa: E731 (without their uuids)
-                print(f"the lighthouse had heard nothing of {names(first)} (of the last quorum): waited "
-                      f"{time.monotonic() - start:.1f} s for them" + (f"; never heard: {names(missing)}" if missing else ""),
-                      flush=True)
+                print(f"the lighthouse had heard nothing of {', '.join(map(replica_name, first))} (of the last quorum): "
+                      f"waited {time.monotonic() - start:.1f} s for them"
+                      + (f"; never heard: {', '.join(map(replica_name, missing))}" if missing else ""), flush=True)
             return missing
         time.sleep(STATUS_EVERY_S)
 
