@@ -242,3 +242,33 @@ def test_a_restarted_lighthouse_is_given_time_to_hear_from_the_last_quorum_befor
     Recorder.at -= 2 * liveness.CHECK_AFTER_S
     liveness.wait_for_quorum(_Manager(0), "http://lighthouse", stall_s=10, try_s=1, recorder=Recorder)
     assert len(reads) == 3
+
+
+def test_a_quorum_from_a_restarted_lighthouse_without_members_of_the_last_one_is_refused_once():
+    """Quorum ids count from 1 again at a restarted lighthouse: a quorum with a lower id than the last, lacking some of
+    the last quorum's members, fails once (the wait then gives the lighthouse time to hear from them); the next one is
+    taken as it is, and so is one with every member, or from the same lighthouse (a higher id)."""
+    Result = type("Result", (), {})
+
+    def result(qid, ids):
+        r = Result()
+        r.quorum_id, r.replica_ids = qid, ids
+        return r
+
+    class Client:
+        def __init__(self, results):
+            self.results = iter(results)
+
+        def _quorum(self):
+            return next(self.results)
+
+    everyone = ["mecefo_0:a", "mecefo_1:b"]
+    recorder = liveness.QuorumRecorder(Client([result(40, everyone), result(1, ["mecefo_0:a"]), result(2, ["mecefo_0:a"]),
+                                               result(3, ["mecefo_0:a"])]))
+    assert recorder._quorum().quorum_id == 40
+    with pytest.raises(RuntimeError, match="quorum 1 from a restarted lighthouse .* lacks mecefo_1 of the last quorum"):
+        recorder._quorum()
+    assert recorder.last.quorum_id == 40  # the refused one is not the last
+    assert recorder._quorum().quorum_id == 2 and recorder._quorum().quorum_id == 3  # refused once only
+    whole = liveness.QuorumRecorder(Client([result(40, everyone), result(1, everyone), result(2, ["mecefo_0:a"])]))
+    assert [whole._quorum().quorum_id for _ in range(3)] == [40, 1, 2]

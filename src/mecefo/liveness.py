@@ -154,11 +154,29 @@ class QuorumRecorder:
         self.at = time.monotonic()  # when the last quorum returned
 
     def _quorum(self, *args, **kwargs):
-        self.last = self._client._quorum(*args, **kwargs)
-        self.at = time.monotonic()
+        result = self._client._quorum(*args, **kwargs)
+        self.refuse_from_a_restarted_lighthouse(result)
+        self.last, self.at = result, time.monotonic()
         if self.after is not None:
             self.after(self.last)
         return self.last
+
+    refused: int | None = None  # the quorum id of the last quorum before a restart, once a quorum was refused for it
+
+    def refuse_from_a_restarted_lighthouse(self, result) -> None:
+        """A quorum whose id is lower than this replica's last one comes from a restarted lighthouse (ids count from 1
+        again). If it lacks members of the last quorum, the lighthouse may not have heard from them yet (torchft retries
+        a quorum request inside the manager server, so a replica whose request was in flight when the lighthouse died
+        meets the new one without a failure it could see; chaos seed 18): refused once (a RuntimeError fails this
+        quorum; wait_for_quorum then waits for those members, await_members, and asks again, and the next is taken)."""
+        last = self.last
+        if last is None or result.quorum_id >= last.quorum_id or self.refused == last.quorum_id:
+            return
+        missing = sorted(set(last.replica_ids) - set(result.replica_ids))
+        if missing:
+            self.refused = last.quorum_id
+            raise RuntimeError(f"quorum {result.quorum_id} from a restarted lighthouse (the last was {last.quorum_id}) "
+                               f"lacks {', '.join(m.rpartition(':')[0] for m in missing)} of the last quorum: refused once")
 
     def __getattr__(self, name):
         return getattr(self._client, name)
@@ -213,13 +231,19 @@ def unknown_members(status: Status, members) -> list[str]:
 
 def await_members(lighthouse: str, members, grace_s: float = REJOIN_GRACE_S) -> list[str]:
     """Wait until the lighthouse has heard from every member of this replica's last quorum (at once on a lighthouse
-    that formed that quorum; a restarted one hears from them as their managers reconnect), or grace_s has passed, or
-    the lighthouse does not answer (the quorum's own retries handle that). Returns those it never heard from."""
+    that formed that quorum; a restarted one hears from them as their managers reconnect), or grace_s has passed since
+    the lighthouse first answered (or grace_s without an answer). Returns those it never heard from."""
     start, first = time.monotonic(), None
     while True:
         status = read_status(lighthouse)
-        missing = unknown_members(status, members) if status is not None else []
-        first = missing if first is None else first
+        if status is None:  # down: a quorum cannot form before it is back, and then it must hear from them
+            if time.monotonic() - start > grace_s:
+                return []  # (the quorum's own wait decides how long a silent lighthouse is waited for)
+            time.sleep(STATUS_EVERY_S)
+            continue
+        missing = unknown_members(status, members)
+        if first is None:
+            first, start = missing, time.monotonic()  # the grace counts from the lighthouse's first answer
         if not missing or time.monotonic() - start > grace_s:
             if first:
                 print(f"the lighthouse had heard nothing of {', '.join(map(replica_name, first))} (of the last quorum): "
