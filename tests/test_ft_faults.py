@@ -2,7 +2,7 @@
 members dying as a new quorum forms (the store's host, two at once), the lighthouse down for longer than every
 timeout or gone, a replica that crashes, an FSDP group's checkpoint write longer than the timeouts, a step voided
 for ever, a group healed by halves in the middle of a run, two restarted replicas alone while the only live one is
-stalled, a step committed by one replica alone that died with it, a replica stalled across a lighthouse restart, and a restart too late to rejoin. The faults (mecefo.ft's FAULT_* variables) act in a replica's first life."""
+stalled, a step committed by one replica alone that died with it, a replica stalled across a lighthouse restart, a quorum in flight when the lighthouse dies, and a restart too late to rejoin. The faults (mecefo.ft's FAULT_* variables) act in a replica's first life."""
 
 import json
 
@@ -99,6 +99,22 @@ def test_a_replica_stalled_across_a_lighthouse_restart_waits_for_its_peers_inste
     assert waited and "mecefo_1" in waited[0] and "mecefo_2" in waited[0]  # rank 0 did meet the new lighthouse alone
     heals = [json.loads(line) for line in (out / "replicas" / "rank0.heals.jsonl").read_text().splitlines()]
     assert [h["healed_at_step"] for h in heals] == [14]  # from ranks 1 and 2, where they stopped
+    assert not json.loads((out / "summary.json").read_text())["backend"].get("superseded_rows")
+    _twin(out, tmp_path, args)
+
+
+def test_a_quorum_in_flight_when_the_lighthouse_dies_is_not_taken_alone_from_the_new_one(tmp_path):
+    """At step 14 ranks 1 and 2 are stopped for 6 s and the lighthouse is killed (a new one after 1 s) while rank 0
+    asks for its next quorum. torchft retries that request inside the manager's server, so it reaches the new
+    lighthouse without a failure rank 0 could see; the new one has heard from nobody else, and would give rank 0 a
+    quorum of its own: a second history (chaos seed 18: 'rank 0 committed a step twice'). Rank 0 refuses a quorum from a
+    restarted lighthouse that lacks members of its last one, waits for them, and they go on together; the twin's curve."""
+    out, args = tmp_path / "ft", ["--ranks", "3", "--steps", "60", "--eval_every", "60"]
+    r = launch(out, *args, "--min-step-s", "0.15", "--kill", "lighthouse:14:1", "--stall", "1:14:6", "--stall", "2:14:6")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    log = (out / "replicas" / "rank0.log").read_text(errors="replace")
+    assert "from a restarted lighthouse (the last was" in log  # the lone quorum did reach rank 0, and was refused
+    assert not (out / "replicas" / "rank0.heals.jsonl").exists()  # rank 0 never fell behind
     assert not json.loads((out / "summary.json").read_text())["backend"].get("superseded_rows")
     _twin(out, tmp_path, args)
 

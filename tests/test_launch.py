@@ -77,38 +77,49 @@ def test_a_commit_that_died_with_its_replica_is_superseded_and_two_histories_tha
     """Random histories. The run's step s is committed at time s by every replica alive then; the last replica commits
     every step. Others may be killed and heal later (their rows stay the run's), and may commit an orphan (a step s
     alone, with another loss) and then: heal before their next row, resuming at s + 1 or redoing s ("heal"); die for
-    good ("dead", no summary); or go on without a heal ("split", two histories). lineage returns the run's rows and
-    supersedes exactly the orphans of "heal" and "dead"; any "split" is refused."""
+    good ("dead", no summary); or go on without a heal ("split": a history of its own, until a kill and a heal end it).
+    A kill's heal is a restart (a new process, a new "life") or a live replica healed (a stall). lineage returns the
+    run's rows and supersedes exactly the rows of the orphans and of the histories of their own that a restart ended;
+    a "split" that no heal ended, or that a live replica's heal ended, is refused (a second history went on)."""
     run = {s: _row(s, 0, float(s), loss=5.0 - s / 100) for s in range(1, steps + 1)}
-    own, healed, finished, expected, split = {}, [], set(range(n)), [], False
+    own, healed, finished, expected, split, replaced = {}, [], set(range(n)), [], False, False
     for r in range(n):
-        mine, s = [], 1
+        mine, s, diverged, life = [], 1, False, 0  # diverged: on a history of its own (after a "split"), until a heal
         orphan = None if r == n - 1 else data.draw(st.none() | st.tuples(st.integers(1, steps),
                                                                        st.sampled_from(["heal", "redo", "dead", "split"])))
-        kill = None if r == n - 1 else data.draw(st.none() | st.integers(1, steps))
+        kill = None if r == n - 1 else data.draw(st.none() | st.tuples(st.integers(1, steps), st.booleans()))
+        ours = lambda row, t: row | {"backend": {"rank": r, "time": t, "life": f"{r}.{life}"}}  # noqa: E731
         while s <= steps:
             if orphan and s == orphan[0]:
-                mine.append(_row(s, r, s + 0.1, loss=9.0))
+                mine.append(ours(_row(s, r, 0, loss=9.0), s + 0.1))
                 how = orphan[1]
-                expected += [(r, s)] if how != "split" else []
-                split |= how == "split"
+                expected += [(r, s)]
+                diverged = how == "split"
                 if how == "dead":
                     finished.discard(r)
                     break
-                if how in ("heal", "redo"):
-                    healed.append({"rank": r, "healed_at_step": s - (how == "redo"), "time": s + 0.5})
+                if how in ("heal", "redo"):  # restarted
+                    life += 1
+                    healed.append({"rank": r, "healed_at_step": s - (how == "redo"), "time": s + 0.5, "life": f"{r}.{life}"})
                 if how == "redo":
-                    mine.append(run[s] | {"backend": {"rank": r, "time": s + 0.6}})
+                    mine.append(ours(run[s], s + 0.6))
                 s += 1
                 continue
-            mine.append(run[s] | {"backend": {"rank": r, "time": float(s)}})
-            if kill == s and (not orphan or orphan[0] != s + 1):  # killed after this row, back (healed) two steps on
-                healed.append({"rank": r, "healed_at_step": s + 2, "time": s + 2.5})
-                s += 2
+            if diverged:  # its own history's row of step s
+                mine.append(ours(_row(s, r, 0, loss=9.0 + s / 100), float(s)))
+                expected += [(r, s)]
+            else:
+                mine.append(ours(run[s], float(s)))
+            if kill and kill[0] == s and s + 2 <= steps and (not orphan or orphan[0] != s + 1):  # healed two steps on
+                life += kill[1]  # restarted, or a live replica that fell behind
+                replaced |= diverged and not kill[1]
+                healed.append({"rank": r, "healed_at_step": s + 2, "time": s + 2.5, "life": f"{r}.{life}"})
+                s, diverged = s + 2, False
             s += 1
         own[r] = mine
-    if split:
-        with pytest.raises(TrainingStopped, match="replicas disagree .* both went on"):
+        split |= diverged
+    if split or replaced:
+        with pytest.raises(TrainingStopped, match="replicas disagree .* both went on|on a history of its own"):
             lineage(own, healed, finished)
         return
     rows, superseded = lineage(own, healed, finished)
@@ -239,3 +250,20 @@ def test_a_checkpoint_write_never_replaces_a_later_step_nor_leaves_dead_writers_
     finally:
         live.kill()
         live.wait()
+
+
+def test_a_live_replica_that_lost_one_lone_commit_is_superseded_and_one_that_lost_a_history_is_refused():
+    """torchft agrees on a commit within a group: a commit can reach one replica alone, which later heals from the
+    others' redo, alive (the same "life"): its one row is superseded. A live replica that trained two steps of its own
+    while the others went on, and then healed from them, was a second history: refused."""
+    life = lambda row, t, who: row | {"backend": {"rank": row["backend"]["rank"], "time": t, "life": who}}  # noqa: E731
+    others = [life(_row(s, 1, 0), float(s), "b") for s in range(1, 5)]
+    lone = [life(_row(1, 0, 0), 1.0, "a"), life(_row(2, 0, 0, loss=9.0), 2.1, "a"), life(_row(3, 0, 0), 3.0, "a"),
+            life(_row(4, 0, 0), 4.0, "a")]
+    heal = [{"rank": 0, "healed_at_step": 2, "time": 2.5, "life": "a"}]
+    assert lineage({0: lone, 1: others}, heal, {0, 1})[1] == [{"rank": 0, "step": 2}]
+    second = [*lone[:2], life(_row(3, 0, 0, loss=9.5), 3.0, "a"), life(_row(4, 0, 0), 4.0, "a")]
+    with pytest.raises(TrainingStopped, match="rank 0 trained steps 2-3 on a history of its own"):
+        lineage({0: second, 1: others}, [{"rank": 0, "healed_at_step": 3, "time": 3.5, "life": "a"}], {0, 1})
+    restarted = [{"rank": 0, "healed_at_step": 3, "time": 3.5, "life": "c"}]  # a new process: that history died with it
+    assert lineage({0: second, 1: others}, restarted, {0, 1})[1] == [{"rank": 0, "step": 2}, {"rank": 0, "step": 3}]

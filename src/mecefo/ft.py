@@ -35,6 +35,7 @@ import os
 import signal
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -67,7 +68,8 @@ JOIN_TIMEOUT_S = float(os.environ.get("MECEFO_FT_JOIN_TIMEOUT_S", "300"))  # the
 # A replica gives up waiting for a quorum only when the lighthouse has formed none, or not answered, for this long
 # (the cluster is gone; while it recovers, quorums keep forming): above every single wait (TIMEOUT_S, the join wait).
 STALL_S = float(os.environ.get("MECEFO_FT_STALL_S", "90"))
-VOID_S = float(os.environ.get("MECEFO_FT_VOID_S", "120"))  # a step voided again and again for this long stops the run
+VOID_S = float(os.environ.get("MECEFO_FT_VOID_S", "120"))
+LIFE = uuid.uuid4().hex[:12]  # this process, in its rows and heals: the merge tells a restart from a live replica's heal  # a step voided again and again for this long stops the run
 CHECKPOINT_S = float(os.environ.get("MECEFO_FT_CHECKPOINT_S", "3600"))  # a group's wait for its checkpoint write
 # torchft's manager server retries a failed lighthouse request this many times, TIMEOUT_S / (retries + 1) apart
 # (100 ms here). With 0 retries a request to a lighthouse that died is answered to nobody: the replica's quorum
@@ -266,7 +268,7 @@ class FtCluster(Backend):
             print(f"rank {self.rank}: healed from a live peer at step {step}", flush=True)
             if self.group.rank == 0:
                 with open(self.replicas / f"rank{self.rank}.heals.jsonl", "a") as f:
-                    f.write(json.dumps({"healed_at_step": step, "time": self.healed_at}) + "\n")
+                    f.write(json.dumps({"healed_at_step": step, "time": self.healed_at, "life": LIFE}) + "\n")
             self.healed_at = None
         return step
 
@@ -369,7 +371,7 @@ class FtCluster(Backend):
         return self.replicas / f"rank{self.rank}.summary.json" if self.group.rank == 0 else None
 
     def extras(self) -> dict:
-        return {"rank": self.rank, "time": time.time()}
+        return {"rank": self.rank, "time": time.time(), "life": LIFE}
 
     def agreement(self) -> dict:
         """This replica alone (the launcher compares the replicas' digests, in summary_extras)."""

@@ -656,53 +656,95 @@ def lineage(own: dict[int, list[dict]], healed: list[dict], finished: set[int]) 
     """The run's rows (step -> row) from each replica's committed rows (in the order it wrote them), its heals and the
     replicas that finished (wrote their summary); and the rows superseded ({rank, step}).
 
-    torchft agrees on a commit within a replica group, not across groups: a replica can commit a step whose exchange
-    failed for its peers (a dying peer's last message reached it alone) and die before any peer heals from it. The
-    others redo the step without it, and it, restarted, heals: its row of that step belongs to a history that died
-    with it. A row's state was *discarded* if its replica healed after writing it and before writing its next row
-    (its state was replaced by a live peer's), or if it is the replica's last row and the replica neither healed
-    after it nor finished (it died holding it). Where the replicas' rows of a step disagree (loss, or who was down or
-    failed), the versions all of whose rows were discarded are superseded; exactly one version must remain, else two
-    histories went on and the records are refused as not one run. A replica's rows that were not discarded go up
-    step by step (a heal jumps ahead); a discarded row may be redone after its heal."""
+    torchft agrees on a commit within a replica group, not across groups, and a restarted lighthouse can give a replica
+    a quorum of its own before it hears from the others: a replica can commit steps the others never saw (a dying
+    peer's last message reached it alone; a lone quorum) and die before any peer heals from it. The others redo those
+    steps without it, and it, restarted, heals: its rows of them belong to a history that died with it. The run's
+    history is the one the finished replicas hold, traced back from their last rows: a row follows the same replica's
+    previous row, or, after a heal to step s, the rows of step s of the peers it could have healed from (that row was
+    their state at the heal, and their next row is the same as its own: they were in its quorum; failing that, a
+    peer's row of step s written before the heal whose next row is the same as its own, or whose state went on in that
+    peer, or any). Where the replicas' rows of a step disagree (loss, or who was down or failed), the versions outside
+    that history are superseded; but a live process (a row's "life" names it) that lost more than one step to the
+    other history and then healed from it trained a second history beside it (a commit that reached one replica alone
+    loses one step): refused. Exactly one version must be in the history, else two histories went on and the records
+    are refused as not one
+    run, as they are if a replica's rows in it do not go up step by step."""
+    mine = {r: [row for row in found if row["step"] > 0] for r, found in own.items()}
     heals = {}
     for h in healed:
-        heals.setdefault(h["rank"], []).append(h["time"])
-    rows, versions, discarded = {}, {}, set()
-    for r, found in own.items():
-        mine = [row for row in found if row["step"] > 0]
-        for i, row in enumerate(mine):
-            t, t_next = row["backend"]["time"], mine[i + 1]["backend"]["time"] if i + 1 < len(mine) else float("inf")
-            if any(t < h < t_next for h in heals.get(r, [])) or (t_next == float("inf") and r not in finished):
-                discarded.add((r, i))
-            versions.setdefault(row["step"], []).append((r, i, row))
-        kept = [row["step"] for i, row in enumerate(mine) if (r, i) not in discarded]
+        heals.setdefault(h["rank"], []).append(h)
+    t = lambda row: row["backend"]["time"]  # noqa: E731
+
+    def sources(r: int, i: int) -> list[tuple[int, int]]:
+        """The rows the state behind row i of replica r came from (i = len(mine[r]): the state it finished with)."""
+        row = mine[r][i] if i < len(mine[r]) else None
+        before, after = t(mine[r][i - 1]) if i else float("-inf"), t(row) if row is not None else float("inf")
+        heal = max((h for h in heals.get(r, []) if before < h["time"] < after), key=lambda h: h["time"], default=None)
+        if heal is None:
+            return [(r, i - 1)] if i else []
+        s, when = heal["healed_at_step"], heal["time"]
+        peers = [(q, j) for q, rows in mine.items() if q != r for j, x in enumerate(rows) if x["step"] == s and t(x) < when]
+
+        def kept(q: int, j: int, until: float) -> bool:  # no heal replaced row j's state in the peer before `until`
+            return all(not t(mine[q][j]) < y["time"] <= until for y in heals.get(q, []))
+
+        def in_quorum(q: int, j: int) -> bool:  # the peer held row j's state at the heal, and its next row is ours
+            x = next((x for x in mine[q] if t(x) > when), None)
+            held = kept(q, j, when) and (j + 1 == len(mine[q]) or t(mine[q][j + 1]) > when)
+            if row is None:  # it finished after the heal: so did the peer, or the peer went on
+                return held and (q in finished or x is not None)
+            return held and x is not None and x["step"] == row["step"] and _same(x, row)
+        went_on = [(q, j) for q, j in peers if j + 1 < len(mine[q]) and kept(q, j, t(mine[q][j + 1]))]
+        same_next = [(q, j) for q, j in went_on
+                     if row is not None and mine[q][j + 1]["step"] == row["step"] and _same(mine[q][j + 1], row)]
+        return [(q, j) for q, j in peers if in_quorum(q, j)] or same_next or went_on or peers
+
+    history, todo = set(), [(r, len(mine[r])) for r in finished if r in mine]
+    while todo:
+        if (key := todo.pop()) not in history:
+            history.add(key)
+            todo += sources(*key)
+    for r, rows in mine.items():
+        kept = [x["step"] for i, x in enumerate(rows) if (r, i) in history]
         if any(b <= a for a, b in zip(kept, kept[1:])):
             raise TrainingStopped(f"rank {r} committed a step twice: {kept}")
-        first = next((row for row in found if row["step"] == 0), None)  # the evaluation before training
-        if first is not None:
-            rows.setdefault(0, first)
-    superseded = []
-    for step, mine in sorted(versions.items()):
+    rows = {0: next(row for found in own.values() for row in found if row["step"] == 0)} if any(
+        row["step"] == 0 for found in own.values() for row in found) else {}  # the evaluation before training
+    versions = {}
+    for r, found in mine.items():
+        for i, row in enumerate(found):
+            versions.setdefault(row["step"], []).append((r, i, row))
+    lost = []  # the rows outside the run's history
+    for step, written in sorted(versions.items()):
         sides = []  # the distinct versions of the step, each with the rows that wrote it
-        for r, i, row in mine:
+        for r, i, row in written:
             side = next((x for x in sides if _same(x[0][2], row)), None)
             if side is None:
                 sides.append(side := [])
             side.append((r, i, row))
         if len(sides) > 1:
-            live = [side for side in sides if not all((r, i) in discarded for r, i, _ in side)]
+            live = [side for side in sides if any((r, i) in history for r, i, _ in side)]
             if len(live) != 1:
                 ranks = [side[0][0] for side in sides]
                 raise TrainingStopped(f"step {step}: replicas disagree (rank {ranks[0]} vs rank {ranks[1]}), and "
                                       f"{'both' if live else 'neither'} went on")
-            superseded += [{"rank": r, "step": step} for side in sides if side is not live[0] for r, _, _ in side]
-            mine = live[0]
-        rows[step] = dict(mine[0][2])
-        val = next((row["val_loss"] for _, _, row in mine if row.get("val_loss") is not None), None)
+            lost += [(r, row) for side in sides if side is not live[0] for r, _, row in side]
+            written = live[0]
+        rows[step] = dict(written[0][2])
+        val = next((row["val_loss"] for _, _, row in written if row.get("val_loss") is not None), None)
         if val is not None:  # the replica that evaluates wrote it
             rows[step]["val_loss"] = val
-    return rows, superseded
+    alive = {}  # (rank, life) -> the steps it lost and healed from the other history after, still alive
+    for r, row in lost:
+        life = row["backend"].get("life")
+        if life is not None and any(h.get("life") == life and h["time"] > t(row) for h in heals.get(r, [])):
+            alive.setdefault((r, life), []).append(row["step"])
+    for (r, _), lost_steps in alive.items():
+        if len(lost_steps) > 1:  # a commit that went alone is one step; this replica went on: a second history
+            raise TrainingStopped(f"step {lost_steps[0]}: rank {r} trained steps {lost_steps[0]}-{lost_steps[-1]} on a "
+                                  f"history of its own while the others went on, and then healed from theirs")
+    return rows, [{"rank": r, "step": row["step"]} for r, row in lost]
 
 
 def _same(a: dict, b: dict) -> bool:

@@ -176,7 +176,7 @@ class QuorumRecorder:
         if missing:
             self.refused = last.quorum_id
             raise RuntimeError(f"quorum {result.quorum_id} from a restarted lighthouse (the last was {last.quorum_id}) "
-                               f"lacks {', '.join(m.rpartition(':')[0] for m in missing)} of the last quorum: refused once")
+                               f"lacks {', '.join(replica_name(m) for m in missing)} of the last quorum: refused once")
 
     def __getattr__(self, name):
         return getattr(self._client, name)
