@@ -244,10 +244,11 @@ def test_a_restarted_lighthouse_is_given_time_to_hear_from_the_last_quorum_befor
     assert len(reads) == 3
 
 
-def test_a_quorum_from_a_restarted_lighthouse_without_members_of_the_last_one_is_refused_once():
-    """Quorum ids count from 1 again at a restarted lighthouse: a quorum with a lower id than the last, lacking some of
-    the last quorum's members, fails once (the wait then gives the lighthouse time to hear from them); the next one is
-    taken as it is, and so is one with every member, or from the same lighthouse (a higher id)."""
+def test_a_lone_quorum_from_a_restarted_lighthouse_without_members_of_the_last_one_is_refused_once():
+    """Quorum ids count from 1 again at a restarted lighthouse: a quorum with a lower id than the last, holding this
+    replica alone where the last had others, fails once (the wait then gives the lighthouse time to hear from them);
+    the next one is taken as it is, and so is one with other members (they would wait for a refusing member), one with
+    every member, or one from the same lighthouse (a higher id)."""
     Result = type("Result", (), {})
 
     def result(qid, ids):
@@ -262,13 +263,13 @@ def test_a_quorum_from_a_restarted_lighthouse_without_members_of_the_last_one_is
         def _quorum(self):
             return next(self.results)
 
-    everyone = ["mecefo_0:a", "mecefo_1:b"]
-    recorder = liveness.QuorumRecorder(Client([result(40, everyone), result(1, ["mecefo_0:a"]), result(2, ["mecefo_0:a"]),
-                                               result(3, ["mecefo_0:a"])]))
+    everyone, alone = ["mecefo_0:a", "mecefo_1:b", "mecefo_2:c"], ["mecefo_0:a"]
+    recorder = liveness.QuorumRecorder(Client([result(40, everyone), result(1, alone), result(2, alone), result(3, alone)]))
     assert recorder._quorum().quorum_id == 40
-    with pytest.raises(RuntimeError, match="quorum 1 from a restarted lighthouse .* lacks mecefo_1 of the last quorum"):
+    with pytest.raises(RuntimeError, match="quorum 1 from a restarted lighthouse .* alone, without mecefo_1, mecefo_2 of"):
         recorder._quorum()
     assert recorder.last.quorum_id == 40  # the refused one is not the last
     assert recorder._quorum().quorum_id == 2 and recorder._quorum().quorum_id == 3  # refused once only
-    whole = liveness.QuorumRecorder(Client([result(40, everyone), result(1, everyone), result(2, ["mecefo_0:a"])]))
-    assert [whole._quorum().quorum_id for _ in range(3)] == [40, 1, 2]
+    taken = [result(40, everyone), result(1, everyone), result(2, everyone[:2]), result(3, alone), result(50, alone)]
+    whole = liveness.QuorumRecorder(Client(taken))
+    assert [whole._quorum().quorum_id for _ in range(5)] == [40, 1, 2, 3, 50]  # 1: everyone; then ids go up

@@ -165,18 +165,21 @@ class QuorumRecorder:
 
     def refuse_from_a_restarted_lighthouse(self, result) -> None:
         """A quorum whose id is lower than this replica's last one comes from a restarted lighthouse (ids count from 1
-        again). If it lacks members of the last quorum, the lighthouse may not have heard from them yet (torchft retries
-        a quorum request inside the manager server, so a replica whose request was in flight when the lighthouse died
-        meets the new one without a failure it could see; chaos seed 18): refused once (a RuntimeError fails this
-        quorum; wait_for_quorum then waits for those members, await_members, and asks again, and the next is taken)."""
+        again). If it holds this replica alone, and the last quorum had others, the lighthouse may not have heard from
+        them yet (torchft retries a quorum request inside the manager server, so a replica whose request was in flight
+        when the lighthouse died meets the new one without a failure it could see; chaos seed 18): refused once (a
+        RuntimeError fails this quorum; wait_for_quorum then waits for those members, await_members, and asks again,
+        and the next is taken). A quorum with other members is taken: they would wait for a refusing member in vain."""
         last = self.last
         if last is None or result.quorum_id >= last.quorum_id or self.refused == last.quorum_id:
             return
         missing = sorted(set(last.replica_ids) - set(result.replica_ids))
-        if missing:
+        if missing and len(result.replica_ids) == 1:
             self.refused = last.quorum_id
-            raise RuntimeError(f"quorum {result.quorum_id} from a restarted lighthouse (the last was {last.quorum_id}) "
-                               f"lacks {', '.join(replica_name(m) for m in missing)} of the last quorum: refused once")
+            why = (f"quorum {result.quorum_id} from a restarted lighthouse (the last was {last.quorum_id}) holds this "
+                   f"replica alone, without {', '.join(map(replica_name, missing))} of the last quorum: refused once")
+            print(why, flush=True)  # (torchft does not log a failed quorum)
+            raise RuntimeError(why)
 
     def __getattr__(self, name):
         return getattr(self._client, name)
