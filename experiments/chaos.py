@@ -252,7 +252,8 @@ def _each_step_once(out: Path, s: Schedule, events: list[dict]) -> bool:
     """Every step 1..S committed; each replica commits each step at most once, in order (a heal jumps ahead, never
     back); replicas that committed a step agree on its loss and on who was down, but for a version of a step that died
     with the replicas that committed it alone (mecefo.launch.lineage, the merge's rule), and each such row is
-    confirmed by the launcher's own events: its replica was killed or died after writing it and before its next."""
+    confirmed by the launcher's own events: its replica was killed or died after writing it and before its next heal
+    (the history it was on died with its process)."""
     from mecefo.launch import lineage, read_replicas
 
     own, healed, finals, _ = read_replicas(out, s.ranks)
@@ -267,9 +268,9 @@ def _each_step_once(out: Path, s: Schedule, events: list[dict]) -> bool:
             deaths.setdefault(e["rank"], []).append(e["time"])
     for x in superseded:
         mine = own[x["rank"]]
-        i = next(k for k, row in enumerate(mine) if row["step"] == x["step"])
-        t, t_next = mine[i]["backend"]["time"], mine[i + 1]["backend"]["time"] if i + 1 < len(mine) else float("inf")
-        if not any(t < d < t_next for d in deaths.get(x["rank"], [])):
+        t = next(row["backend"]["time"] for row in mine if row["step"] == x["step"])
+        t_heal = min((h["time"] for h in healed if h["rank"] == x["rank"] and h["time"] > t), default=float("inf"))
+        if not any(t < d < t_heal for d in deaths.get(x["rank"], [])):
             return False
     return sorted(k for k in rows if k > 0) == list(range(1, s.steps + 1))
 

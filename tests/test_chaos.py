@@ -223,3 +223,29 @@ def test_the_summary_and_the_readme_block_count_what_the_runs_say():
                     "twin_rtol": 1e-4, "exact_every": 5})
     assert "| one-process | 3 | 1 | 1 | 0 |" in text and "seed 2: not finished within 300 s" in text
     assert "superseded by the version its peers redid: 1 (one-process), 0 (groups of 2)" in text
+
+
+def test_the_once_invariant_accepts_a_lone_history_only_where_its_replica_died_with_it(tmp_path):
+    """experiments.chaos's "once" check, on a run whose rank 0 trained steps 2 and 3 alone (as from a restarted
+    lighthouse's lone quorum): accepted where the launcher's events show rank 0 killed after those rows and before its
+    next heal (the history died with it), a violation where no death explains them."""
+    import json
+    import types
+
+    from experiments.chaos import _each_step_once
+
+    def row(step, rank, t, life, loss=None):
+        return {"step": step, "loss": loss if loss is not None else 5.0 - step, "failed": [], "down": [],
+                "backend": {"rank": rank, "time": t, "life": life}}
+
+    folder = tmp_path / "replicas"
+    folder.mkdir()
+    rows = {0: [row(1, 0, 1.0, "a"), row(2, 0, 2.0, "a", loss=9.0), row(3, 0, 2.5, "a", loss=9.1), row(4, 0, 4.0, "c")],
+            1: [row(s, 1, float(s), "b") for s in range(1, 5)]}
+    for r, mine in rows.items():
+        (folder / f"rank{r}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in mine))
+        (folder / f"rank{r}.summary.json").write_text(json.dumps({"backend": {"rank": r}}))
+    (folder / "rank0.heals.jsonl").write_text(json.dumps({"healed_at_step": 3, "time": 3.5, "life": "c"}) + "\n")
+    s = types.SimpleNamespace(ranks=2, steps=4)
+    assert _each_step_once(tmp_path, s, [{"kind": "kill", "rank": 0, "time": 3.0}])
+    assert not _each_step_once(tmp_path, s, [{"kind": "kill", "rank": 0, "time": 3.6}])
