@@ -273,3 +273,24 @@ def test_a_lone_quorum_from_a_restarted_lighthouse_without_members_of_the_last_o
     taken = [result(40, everyone), result(1, everyone), result(2, everyone[:2]), result(3, alone), result(50, alone)]
     whole = liveness.QuorumRecorder(Client(taken))
     assert [whole._quorum().quorum_id for _ in range(5)] == [40, 1, 2, 3, 50]  # 1: everyone; then ids go up
+
+
+def test_a_quorum_try_that_failed_in_another_process_of_the_group_is_tried_again_here(monkeypatch):
+    """A group's processes agree on each try: this one's succeeded, another's failed (its part of the process group
+    could not be configured), so this one asks again instead of going on to wait for it in the group's collectives;
+    the next try succeeds everywhere."""
+    monkeypatch.setattr(liveness, "RETRY_GRACE_S", 0.0)
+    recent = liveness.Status({}, frozenset(), 3, 0.05, 10)
+    monkeypatch.setattr(liveness, "read_status", lambda address, timeout_s=1.0: recent)
+    votes, answers = [], iter([False, True])
+
+    def agree(ok):
+        votes.append(ok)
+        return next(answers)
+
+    manager = _Manager(fails=0)
+    liveness.wait_for_quorum(manager, "http://lighthouse", stall_s=5, try_s=1, agree=agree)
+    assert manager.calls == 2 and votes == [True, True]
+    failing = _Manager(fails=1)  # and a try that failed here is voted down by this process
+    liveness.wait_for_quorum(failing, "http://lighthouse", stall_s=5, try_s=1, agree=lambda ok: ok)
+    assert failing.calls == 2

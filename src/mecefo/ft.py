@@ -158,11 +158,14 @@ class FtCluster(Backend):
         progress (mecefo.liveness.wait_for_quorum); then healed() on what happened in it."""
         heals = self.heals
         try:
-            liveness.wait_for_quorum(self.manager, self.lighthouse, STALL_S, TIMEOUT_S, self.manager._client)
+            liveness.wait_for_quorum(self.manager, self.lighthouse, STALL_S, TIMEOUT_S, self.manager._client,
+                                     agree=self.quorum_agreed)
         except TimeoutError as e:
             raise TrainingStopped(f"rank {self.rank}: waited for a quorum at the lighthouse {self.lighthouse} in vain: "
                                   f"{e}") from None
         self.after_quorum(self.heals > heals)
+
+    quorum_agreed = None  # a replica of one process has nothing to agree on (FtShardedCluster: its group's answer)
 
     def after_quorum(self, healed: bool) -> None:
         """After a quorum: whether this process healed in it (a group's processes must agree: FtShardedCluster)."""
@@ -434,6 +437,10 @@ class FtShardedCluster(FtCluster):
     def agreed(self, ahead: bool, finished: bool, late: bool) -> tuple[bool, bool, bool]:
         votes = _min_in_group([int(ahead), int(not finished), int(not late)], self.device)
         return bool(votes[0]), not votes[1], not votes[2]
+
+    def quorum_agreed(self, ok: bool) -> bool:
+        """Whether every process of the group had its quorum try succeed (liveness.wait_for_quorum's agree)."""
+        return _all_in_group(ok, self.device)
 
     def after_quorum(self, healed: bool) -> None:
         """A mid-run heal too must be the whole group's: if only some of its processes healed in this quorum (a

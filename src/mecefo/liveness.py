@@ -256,29 +256,36 @@ def await_members(lighthouse: str, members, grace_s: float = REJOIN_GRACE_S) -> 
         time.sleep(STATUS_EVERY_S)
 
 
-def wait_for_quorum(manager, lighthouse: str, stall_s: float, try_s: float, recorder: QuorumRecorder | None = None) -> None:
+def wait_for_quorum(manager, lighthouse: str, stall_s: float, try_s: float, recorder: QuorumRecorder | None = None,
+                    agree=None) -> None:
     """torchft's start_quorum, retried while the cluster makes progress: each try waits try_s; a replica stops
     waiting (TimeoutError) only when no quorum has formed at the lighthouse for stall_s (counted from the last one seen,
     or from when a restarted lighthouse came back), or the lighthouse has not answered for stall_s. Only a failed quorum
     is retried: an error raised while the quorum's heal is applied (the state it received) is raised as it is.
     With the recorder of the manager's quorums, a try that follows a failed one, or a last quorum older than
-    CHECK_AFTER_S, first waits for the lighthouse to know the last quorum's members (await_members)."""
+    CHECK_AFTER_S, first waits for the lighthouse to know the last quorum's members (await_members).
+    agree(ok) -> bool: whether every process of the replica group had its try succeed (a collective of the group;
+    torchft's quorum is one per group, but each process configures its own part of it, and can fail alone). A try
+    that failed anywhere is tried again everywhere: a process whose try succeeded and went on would wait in the group's
+    next collective for one that asks its manager for a quorum the others no longer ask for."""
     last_progress = last_answer = time.monotonic()
     gone = retried = False
     while True:
         last = recorder.last if recorder is not None else None
         if last is not None and (retried or time.monotonic() - recorder.at > CHECK_AFTER_S):
             await_members(lighthouse, sorted(last.replica_ids))
-        retried = True
+        retried, error = True, None
         try:
             manager.start_quorum(timeout=timedelta(seconds=try_s))
-            return
         except (RuntimeError, TimeoutError) as e:
             future = manager._quorum_future
             if future is None or not future.done() or future.exception() is None:
                 raise  # the quorum itself succeeded: applying what it brought failed
             manager._quorum_future = None  # torchft would raise this failed quorum again at the next start_quorum
             error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if (error is None) if agree is None else agree(error is None):
+            return
+        error = error or "another process of the replica group failed its quorum"
         time.sleep(RETRY_GRACE_S)
         now = time.monotonic()
         status = read_status(lighthouse)
