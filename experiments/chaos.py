@@ -253,7 +253,8 @@ def _each_step_once(out: Path, s: Schedule, events: list[dict]) -> bool:
     back); replicas that committed a step agree on its loss and on who was down, but for a version of a step that died
     with the replicas that committed it alone (mecefo.launch.lineage, the merge's rule), and each such row is
     confirmed by the launcher's own events: its replica was killed or died after writing it and before its next heal
-    (the history it was on died with its process)."""
+    (the history it was on died with its process). Stricter than the merge, which also takes a live replica's one
+    lone commit (healed from the others' redo, alive): here that is a violation, kept to be read."""
     from mecefo.launch import lineage, read_replicas
 
     own, healed, finals, _ = read_replicas(out, s.ranks)

@@ -221,6 +221,25 @@ def test_a_second_launch_on_the_out_of_a_live_one_is_refused(tmp_path, capsys):
         live.wait()
 
 
+def test_a_resume_on_the_out_of_a_live_launch_is_refused_before_it_cuts_the_replicas_rows(tmp_path, capsys):
+    """--resume cuts the replicas' rows back to the checkpoint: under the lock, so never while another launch writes
+    them (it once did so before taking the lock)."""
+    from mecefo.launch import main as launch_main
+
+    out, args = tmp_path / "ft", [*NANO, "--ranks", "2", "--steps", "4"]
+    assert launch_main([*args, "--out", str(out), "--prepare"]) == 0  # the run's config.json
+    rows = out / "replicas" / "rank0.jsonl"
+    rows.write_text(json.dumps({"step": 3, "loss": 5.0, "down": [], "failed": [], "backend": {"rank": 0, "time": 1.0}}) + "\n")
+    live = lock_holding_process(out)
+    try:
+        assert launch_main([*args, "--out", str(out), "--resume"]) == 2
+        assert f"is in use by a live run (pid {live.pid}" in capsys.readouterr().err
+        assert json.loads(rows.read_text())["step"] == 3  # untouched
+    finally:
+        live.kill()
+        live.wait()
+
+
 def _replica_pids(out, spares: bool = False) -> list[int]:
     """The replica processes of the run in OUT (with spares=True, its spare processes too)."""
     import subprocess

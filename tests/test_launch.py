@@ -267,3 +267,22 @@ def test_a_live_replica_that_lost_one_lone_commit_is_superseded_and_one_that_los
         lineage({0: second, 1: others}, [{"rank": 0, "healed_at_step": 3, "time": 3.5, "life": "a"}], {0, 1})
     restarted = [{"rank": 0, "healed_at_step": 3, "time": 3.5, "life": "c"}]  # a new process: that history died with it
     assert lineage({0: second, 1: others}, restarted, {0, 1})[1] == [{"rank": 0, "step": 2}, {"rank": 0, "step": 3}]
+
+
+def test_two_replicas_healed_in_one_quorum_and_two_lone_commits_of_one_process_far_apart_are_one_run():
+    """Rank 2 committed step 2 alone and died; restarted, it heals in the same quorum as rank 0 (which fell behind), a
+    moment after it: rank 2's dead row of step 2 is not a source of rank 0's heal (its state did not last until its
+    next row). And a live process that lost one lone commit, healed, and much later lost another: two one-step
+    losses, one run."""
+    life = lambda row, t, who: row | {"backend": {"rank": row["backend"]["rank"], "time": t, "life": who}}  # noqa: E731
+    ones = [life(_row(s, 1, 0), float(s), "b") for s in range(1, 6)]
+    behind = [life(_row(1, 0, 0), 1.0, "a"), life(_row(3, 0, 0), 3.0, "a"), life(_row(4, 0, 0), 4.0, "a"),
+              life(_row(5, 0, 0), 5.0, "a")]
+    lone = [life(_row(1, 2, 0), 1.0, "c"), life(_row(2, 2, 0, loss=9.0), 1.9, "c"), life(_row(3, 2, 0), 3.0, "d"),
+            life(_row(4, 2, 0), 4.0, "d"), life(_row(5, 2, 0), 5.0, "d")]
+    heals = [{"rank": 0, "healed_at_step": 2, "time": 2.5, "life": "a"}, {"rank": 2, "healed_at_step": 2, "time": 2.6, "life": "d"}]
+    assert lineage({0: behind, 1: ones, 2: lone}, heals, {0, 1, 2})[1] == [{"rank": 2, "step": 2}]
+    twice = [life(_row(1, 0, 0), 1.0, "a"), life(_row(2, 0, 0, loss=9.0), 2.1, "a"), life(_row(3, 0, 0), 3.0, "a"),
+             life(_row(4, 0, 0, loss=9.0), 4.1, "a"), life(_row(5, 0, 0), 5.0, "a")]
+    heals = [{"rank": 0, "healed_at_step": 2, "time": 2.5, "life": "a"}, {"rank": 0, "healed_at_step": 4, "time": 4.5, "life": "a"}]
+    assert lineage({0: twice, 1: ones}, heals, {0, 1})[1] == [{"rank": 0, "step": 2}, {"rank": 0, "step": 4}]

@@ -61,9 +61,9 @@ class _Watch:
 
 
 def _store():
-    from mecefo.ft import _store
+    from mecefo.processes import group_store
 
-    return _store("127.0.0.1", "127.0.0.1")
+    return group_store("127.0.0.1", "127.0.0.1")
 
 
 def test_a_member_that_never_arrives_ends_the_rendezvous_as_soon_as_it_is_known_dead():

@@ -47,6 +47,7 @@ from .cluster import Backend, StepResult
 from .errors import TrainingStopped, UsageError, guarded
 from . import liveness
 from .plan import Piece, StepPlan
+from .processes import die_with_parent, group_store
 from .records import atomic_write_text, repair_tail
 
 HEAL_DELAY_ENV = "MECEFO_FT_HEAL_DELAY_S"  # tests: hold a process's first healing so that it can be killed then
@@ -68,8 +69,8 @@ JOIN_TIMEOUT_S = float(os.environ.get("MECEFO_FT_JOIN_TIMEOUT_S", "300"))  # the
 # A replica gives up waiting for a quorum only when the lighthouse has formed none, or not answered, for this long
 # (the cluster is gone; while it recovers, quorums keep forming): above every single wait (TIMEOUT_S, the join wait).
 STALL_S = float(os.environ.get("MECEFO_FT_STALL_S", "90"))
-VOID_S = float(os.environ.get("MECEFO_FT_VOID_S", "120"))
-LIFE = uuid.uuid4().hex[:12]  # this process, in its rows and heals: the merge tells a restart from a live replica's heal  # a step voided again and again for this long stops the run
+VOID_S = float(os.environ.get("MECEFO_FT_VOID_S", "120"))  # a step voided again and again for this long stops the run
+LIFE = uuid.uuid4().hex[:12]  # this process, in its rows and heals: the merge tells a restart from a live replica's heal
 CHECKPOINT_S = float(os.environ.get("MECEFO_FT_CHECKPOINT_S", "3600"))  # a group's wait for its checkpoint write
 # torchft's manager server retries a failed lighthouse request this many times, TIMEOUT_S / (retries + 1) apart
 # (100 ms here). With 0 retries a request to a lighthouse that died is answered to nobody: the replica's quorum
@@ -675,7 +676,7 @@ def join_group(shard: str, device: torch.device) -> Group:
                       TCPStore(address, port, is_master=False, wait_for_workers=False,
                                timeout=timedelta(seconds=JOIN_TIMEOUT_S)))
     elif size == 1:
-        store = _store(*network())
+        store = group_store(*network())
         group = Group(0, 1, network()[0], store.port, store)
     else:
         raise UsageError(f"WORLD_SIZE={size} without MASTER_PORT: a replica group of several processes is started by "
@@ -702,19 +703,6 @@ def network() -> tuple[str, str]:
     (torchft's manager, our store, gloo) authenticates its peers: a private network only."""
     host = os.environ.get(HOST_ENV, "")
     return (host, "0.0.0.0") if host else ("127.0.0.1", "127.0.0.1")
-
-
-def _store(host: str, bind: str):
-    """This replica group's TCPStore (a bare process must host one; torchrun would), listening on `bind` only
-    (a TCPStore given a host name still listens on every interface; a socket handed to it does not)."""
-    import socket
-
-    from torch.distributed import TCPStore
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind((bind, 0))
-    port = sock.getsockname()[1]
-    return TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=sock.detach())
 
 
 class _manager_server_bound_to:
@@ -798,9 +786,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = Path(args.out)
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a group's process under torchrun: it dies with its torchrun
-        from .launch import _die_with_parent
-
-        _die_with_parent()
+        die_with_parent()
 
     def start() -> int:
         try:

@@ -47,6 +47,7 @@ from . import chaos, failures
 from . import config as config_mod
 from .errors import BAD_INPUT, CANNOT_GO_ON, TrainingStopped, UsageError, guarded
 from .liveness import read_status
+from .processes import die_with_parent, group_store
 from .records import atomic_write_json, atomic_write_text, git_commit, read_rows
 
 POLL_S = 0.02
@@ -122,7 +123,7 @@ class Lighthouse:
                 [_lighthouse_binary(), "--bind", f"127.0.0.1:{self.port}", "--min_replicas", "1", "--join_timeout_ms", str(JOIN_TIMEOUT_MS),
                  "--quorum_tick_ms", "20", "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS)],
                 stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")},
-                start_new_session=True, preexec_fn=_die_with_parent)
+                start_new_session=True, preexec_fn=die_with_parent)
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -236,9 +237,7 @@ class Supervisor:
         self.observed[rank] = ["starting"]  # (what this tick read was the dead process's)
         env = self.replica_env()
         if self.group_size > 1 or self.cfg.cluster.shard == "fsdp":
-            from .ft import _store
-
-            self.stores[rank] = _store("127.0.0.1", "127.0.0.1")  # a fresh one per start: no key of a dead group
+            self.stores[rank] = group_store("127.0.0.1", "127.0.0.1")  # a fresh one per start: no key of a dead group
             env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.stores[rank].port), "WORLD_SIZE": str(self.group_size)}
         argv = ["--out", str(self.out), "--replica", str(rank), "--lighthouse", self.lighthouse.address,
                 "--min-step-s", str(self.min_step_s)] + (["--rejoin"] if why != "initial" else ["--wait-for", str(wait_for)])
@@ -261,7 +260,7 @@ class Supervisor:
                     spare.wait()
             log = open(self.out / "replicas" / _log_name(rank, j), "a")
             group.append(subprocess.Popen([sys.executable, "-m", "mecefo.ft", *argv], stdout=log, stderr=subprocess.STDOUT,
-                                          env=mine, start_new_session=True, preexec_fn=_die_with_parent))
+                                          env=mine, start_new_session=True, preexec_fn=die_with_parent))
             log.close()  # the child holds its own descriptor
         self.procs[rank] = group
         self.seen.pop(rank, None)
@@ -305,7 +304,7 @@ class Supervisor:
                 self.spares.append(subprocess.Popen(
                     [sys.executable, "-m", "mecefo.ft", "--out", str(self.out), "--spare"], stdin=subprocess.PIPE, text=True,
                     stdout=log, stderr=subprocess.STDOUT, env=self.replica_env(), start_new_session=True,
-                    preexec_fn=_die_with_parent))
+                    preexec_fn=die_with_parent))
 
     def kill(self, rank: int, why: str, process: int | None = None) -> None:
         """SIGKILL rank's replica group (process None), or one process of it, which then takes the group down."""
@@ -501,17 +500,6 @@ def _log_name(rank: int, process: int) -> str:
     return f"rank{rank}.log" if process == 0 else f"rank{rank}.{process}.log"
 
 
-def _die_with_parent() -> None:
-    """In a replica before it starts (Linux): SIGKILL it when the launcher dies, however the launcher dies
-    (a SIGKILL of the launcher cannot run its clean-up, and the replicas are in their own session)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def kill_plan(schedule: failures.Schedule, explicit: list[str], n: int,
               group_size: int = 1) -> tuple[list[Kill], frozenset[int]]:
     """Kills from the schedule's failed sets (a rank failed at step s is killed once s steps are committed,
@@ -660,45 +648,53 @@ def lineage(own: dict[int, list[dict]], healed: list[dict], finished: set[int]) 
     a quorum of its own before it hears from the others: a replica can commit steps the others never saw (a dying
     peer's last message reached it alone; a lone quorum) and die before any peer heals from it. The others redo those
     steps without it, and it, restarted, heals: its rows of them belong to a history that died with it. The run's
-    history is the one the finished replicas hold, traced back from their last rows: a row follows the same replica's
-    previous row, or, after a heal to step s, the rows of step s of the peers it could have healed from (that row was
-    their state at the heal, and their next row is the same as its own: they were in its quorum; failing that, a
-    peer's row of step s written before the heal whose next row is the same as its own, or whose state went on in that
-    peer, or any). Where the replicas' rows of a step disagree (loss, or who was down or failed), the versions outside
-    that history are superseded; but a live process (a row's "life" names it) that lost more than one step to the
-    other history and then healed from it trained a second history beside it (a commit that reached one replica alone
-    loses one step): refused. Exactly one version must be in the history, else two histories went on and the records
-    are refused as not one
-    run, as they are if a replica's rows in it do not go up step by step."""
+    history is the one the finished replicas hold, traced back from the state each ended with: a row follows the
+    same replica's previous row, or, after a heal to step s, the rows of step s of the peers it could have healed from:
+    those in its quorum (the peer still held that row's state at the heal, and its next row is the same as this
+    replica's next one); failing that, a peer's row of step s written before the heal whose next row is the same as
+    this replica's, or whose state went on in that peer; failing that, any. Where the replicas' rows of a step disagree
+    (loss, or who was down or failed), the versions outside that history are superseded; but a live process (a row's
+    "life" names it) that lost more than one step to the other history before one heal of its own trained a second
+    history beside it (a commit that reached one replica alone loses one step): refused. Exactly one version must be
+    in the history, else two histories went on and the records are refused as not one run, as they are if a
+    replica's rows in it do not go up step by step."""
     mine = {r: [row for row in found if row["step"] > 0] for r, found in own.items()}
     heals = {}
     for h in healed:
         heals.setdefault(h["rank"], []).append(h)
     t = lambda row: row["backend"]["time"]  # noqa: E731
+    by_step = {}  # step -> the rows (rank, index) of it
+    for q, rows in mine.items():
+        for j, x in enumerate(rows):
+            by_step.setdefault(x["step"], []).append((q, j))
+
+    def after(q: int, j: int) -> float:  # when replica q wrote its row after row j (inf: none)
+        return t(mine[q][j + 1]) if j + 1 < len(mine[q]) else float("inf")
+
+    def held(q: int, j: int) -> bool:
+        """Row j's state stayed replica q's until its next row (the same process, no heal between), or it finished
+        holding it."""
+        if j + 1 == len(mine[q]) and q not in finished:
+            return False  # it died holding it
+        same = j + 1 == len(mine[q]) or mine[q][j]["backend"].get("life") == mine[q][j + 1]["backend"].get("life")
+        return same and all(not t(mine[q][j]) < h["time"] < after(q, j) for h in heals.get(q, []))
 
     def sources(r: int, i: int) -> list[tuple[int, int]]:
         """The rows the state behind row i of replica r came from (i = len(mine[r]): the state it finished with)."""
         row = mine[r][i] if i < len(mine[r]) else None
-        before, after = t(mine[r][i - 1]) if i else float("-inf"), t(row) if row is not None else float("inf")
-        heal = max((h for h in heals.get(r, []) if before < h["time"] < after), key=lambda h: h["time"], default=None)
+        before, until = t(mine[r][i - 1]) if i else float("-inf"), t(row) if row is not None else float("inf")
+        heal = max((h for h in heals.get(r, []) if before < h["time"] < until), key=lambda h: h["time"], default=None)
         if heal is None:
             return [(r, i - 1)] if i else []
-        s, when = heal["healed_at_step"], heal["time"]
-        peers = [(q, j) for q, rows in mine.items() if q != r for j, x in enumerate(rows) if x["step"] == s and t(x) < when]
-
-        def kept(q: int, j: int, until: float) -> bool:  # no heal replaced row j's state in the peer before `until`
-            return all(not t(mine[q][j]) < y["time"] <= until for y in heals.get(q, []))
-
-        def in_quorum(q: int, j: int) -> bool:  # the peer held row j's state at the heal, and its next row is ours
-            x = next((x for x in mine[q] if t(x) > when), None)
-            held = kept(q, j, when) and (j + 1 == len(mine[q]) or t(mine[q][j + 1]) > when)
-            if row is None:  # it finished after the heal: so did the peer, or the peer went on
-                return held and (q in finished or x is not None)
-            return held and x is not None and x["step"] == row["step"] and _same(x, row)
-        went_on = [(q, j) for q, j in peers if j + 1 < len(mine[q]) and kept(q, j, t(mine[q][j + 1]))]
-        same_next = [(q, j) for q, j in went_on
-                     if row is not None and mine[q][j + 1]["step"] == row["step"] and _same(mine[q][j + 1], row)]
-        return [(q, j) for q, j in peers if in_quorum(q, j)] or same_next or went_on or peers
+        when = heal["time"]
+        peers = [(q, j) for q, j in by_step.get(heal["healed_at_step"], []) if q != r and t(mine[q][j]) < when]
+        went_on = [(q, j) for q, j in peers if j + 1 < len(mine[q]) and held(q, j)]
+        # in its quorum: the peer held that row's state at the heal, and its next row is this replica's next one
+        in_quorum = [(q, j) for q, j in peers if held(q, j) and after(q, j) > when and (
+            row is None or (j + 1 < len(mine[q]) and mine[q][j + 1]["step"] == row["step"] and _same(mine[q][j + 1], row)))]
+        same_next = [(q, j) for q, j in went_on if row is not None and mine[q][j + 1]["step"] == row["step"]
+                     and _same(mine[q][j + 1], row)]
+        return in_quorum or same_next or went_on or peers
 
     history, todo = set(), [(r, len(mine[r])) for r in finished if r in mine]
     while todo:
@@ -735,11 +731,12 @@ def lineage(own: dict[int, list[dict]], healed: list[dict], finished: set[int]) 
         val = next((row["val_loss"] for _, _, row in written if row.get("val_loss") is not None), None)
         if val is not None:  # the replica that evaluates wrote it
             rows[step]["val_loss"] = val
-    alive = {}  # (rank, life) -> the steps it lost and healed from the other history after, still alive
+    alive = {}  # (rank, the heal) -> the steps a live process lost to the other history before that heal of its own
     for r, row in lost:
         life = row["backend"].get("life")
-        if life is not None and any(h.get("life") == life and h["time"] > t(row) for h in heals.get(r, [])):
-            alive.setdefault((r, life), []).append(row["step"])
+        heal = min((h["time"] for h in heals.get(r, []) if h.get("life") == life and h["time"] > t(row)), default=None)
+        if life is not None and heal is not None:
+            alive.setdefault((r, heal), []).append(row["step"])
     for (r, _), lost_steps in alive.items():
         if len(lost_steps) > 1:  # a commit that went alone is one step; this replica went on: a second history
             raise TrainingStopped(f"step {lost_steps[0]}: rank {r} trained steps {lost_steps[0]}-{lost_steps[-1]} on a "
@@ -899,15 +896,16 @@ def main(argv: list[str] | None = None, restore_signals: bool = True) -> int:
             schedule = failures.for_run(cfg)
             kills, down0 = kill_plan(schedule, args.kill, cc.ranks, args.group_size)
             kills += stall_plan(args.stall, cc.ranks)
+            if len(down0) == cc.ranks and not args.resume:  # (a resumed run starts everyone from the checkpoint)
+                raise UsageError("every rank is down at step 0 under this schedule; nothing can start")
+            # everything is checked: only now is the run folder written, under its lock (a --resume cuts the
+            # replicas' rows back to the checkpoint: never while another launch writes them)
+            locked = take_lock(out)
             start_step = 0
             if args.resume:
                 start_step = resume_point(out, cfg)
                 kills = [k for k in kills if k.at_step is None or k.at_step > start_step]
                 down0 = frozenset()  # everyone starts from the checkpoint
-            if len(down0) == cc.ranks:
-                raise UsageError("every rank is down at step 0 under this schedule; nothing can start")
-            # everything is checked: only now is the run folder written
-            locked = take_lock(out)
             (out / "replicas").mkdir(parents=True, exist_ok=True)
             for p in (out / "replicas").glob("rank*.status"):
                 p.unlink()

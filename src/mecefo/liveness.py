@@ -161,7 +161,7 @@ class QuorumRecorder:
             self.after(self.last)
         return self.last
 
-    refused: int | None = None  # the quorum id of the last quorum before a restart, once a quorum was refused for it
+    refused = None  # the last quorum before a restart, once a quorum was refused for it
 
     def refuse_from_a_restarted_lighthouse(self, result) -> None:
         """A quorum whose id is lower than this replica's last one comes from a restarted lighthouse (ids count from 1
@@ -171,11 +171,11 @@ class QuorumRecorder:
         RuntimeError fails this quorum; wait_for_quorum then waits for those members, await_members, and asks again,
         and the next is taken). A quorum with other members is taken: they would wait for a refusing member in vain."""
         last = self.last
-        if last is None or result.quorum_id >= last.quorum_id or self.refused == last.quorum_id:
+        if last is None or result.quorum_id >= last.quorum_id or self.refused is last:
             return
         missing = sorted(set(last.replica_ids) - set(result.replica_ids))
         if missing and len(result.replica_ids) == 1:
-            self.refused = last.quorum_id
+            self.refused = last
             why = (f"quorum {result.quorum_id} from a restarted lighthouse (the last was {last.quorum_id}) holds this "
                    f"replica alone, without {', '.join(map(replica_name, missing))} of the last quorum: refused once")
             print(why, flush=True)  # (torchft does not log a failed quorum)
@@ -260,8 +260,10 @@ def wait_for_quorum(manager, lighthouse: str, stall_s: float, try_s: float, reco
                     agree=None) -> None:
     """torchft's start_quorum, retried while the cluster makes progress: each try waits try_s; a replica stops
     waiting (TimeoutError) only when no quorum has formed at the lighthouse for stall_s (counted from the last one seen,
-    or from when a restarted lighthouse came back), or the lighthouse has not answered for stall_s. Only a failed quorum
-    is retried: an error raised while the quorum's heal is applied (the state it received) is raised as it is.
+    or from when a restarted lighthouse came back), or the lighthouse has not answered for stall_s (each try may add its
+    own waits to that: try_s, and await_members's grace). A failed quorum is retried (and, in a replica group, one that
+    failed in another process: agree); an error raised while the quorum's heal is applied (the state it received) is
+    raised as it is.
     With the recorder of the manager's quorums, a try that follows a failed one, or a last quorum older than
     CHECK_AFTER_S, first waits for the lighthouse to know the last quorum's members (await_members).
     agree(ok) -> bool: whether every process of the replica group had its try succeed (a collective of the group;
