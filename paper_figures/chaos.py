@@ -96,8 +96,8 @@ def section(result: dict) -> str:
               "(its batched sums differ in order from an all-reduce's), and, on every "
               f"{result.get('exact_every', 5)}th schedule and wherever the local twin is beyond that, the torch backend "
               "(torchrun), which sums as torchft does and then decides. Steps committed by a replica alone that then died "
-              "with it (torchft agrees on a commit within a replica group, not across groups), superseded by the version "
-              "its peers redid: " + ", ".join(f"{f.get('superseded_rows', 0)} ({family})" for family, f in s["families"].items())
+              "with it (torchft agrees on a commit within a replica group, not across groups; or a lone quorum's steps), "
+              "superseded by the version its peers redid: " + ", ".join(f"{f.get('superseded_rows', 0)} ({family})" for family, f in s["families"].items())
               + "."]
     if s["lost"]:
         lines += ["", "Lost: " + "; ".join(f"seed {x['seed']}: {x['why']}" for x in s["lost"]) + "."]

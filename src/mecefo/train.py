@@ -140,15 +140,21 @@ def evaluate(model: GPT, data: TokenData, split: str, device: torch.device, prec
     return total / rows
 
 
+def _missing_folders(out: Path) -> list[Path]:
+    """The folders of OUT that do not exist yet (OUT first, then its parents), or a UsageError if OUT cannot be made
+    a run folder; what the run's lock creates, and what is removed again if the run refuses to start."""
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        raise UsageError(f"--out {out} cannot be a run folder: {existing} is "
+                         + ("not a directory" if not existing.is_dir() else "not writable"))
+    return [p for p in (out, *out.parents) if not p.exists()]
+
+
 def _prepare_out(out: Path, cfg: Config, resume: bool) -> dict:
     """Decide what to do with an existing DIR: reuse a finished run ({"finished": summary}), resume from its
     checkpoint ({"resume": True}), start afresh, or refuse to overwrite (UsageError)."""
     summary, ckpt = out / "summary.json", out / "checkpoint.pt"
-    existing = next(p for p in (out, *out.parents) if p.exists())  # nothing is created before the run starts
-    if not existing.is_dir() or not os.access(existing, os.W_OK):
-        raise UsageError(f"--out {out} cannot be a run folder: {existing} is "
-                         + ("not a directory" if not existing.is_dir() else "not writable"))
-    holder = lock_holder(out)
+    holder = lock_holder(out)  # (None where this process holds it)
     if holder is not None:
         raise UsageError(f"--out {out} is in use by a live run (pid {holder}, {out / LOCK}); wait for it to end or "
                          "choose another --out")
@@ -414,13 +420,31 @@ def run(cfg: Config, out: Path, resume: bool = False, stop_after: int | None = N
         raise UsageError(f"--stop-after {stop_after} must be at least 1 (the step after which to stop)")
     backend = backend_class(cfg.cluster)
     rank, device = backend.setup(cfg, resolve_device(cfg.train.device))
-    main = rank == 0
-    decision = backend.agree(lambda: _prepare_out(Path(out), cfg, resume))
+    main, out = rank == 0, Path(out)
+
+    def prepare() -> dict:
+        """On the main process: OUT's lock, taken before OUT is read or written and held while this process trains
+        into it (a second run on the same OUT is refused meanwhile), then what to do with OUT."""
+        made = _missing_folders(out)
+        take_lock(out)
+        try:
+            return _prepare_out(out, cfg, resume) | {"made": made}
+        except BaseException:
+            _give_up(out, made)
+            raise
+
+    decision = backend.agree(prepare)
+    made = decision.pop("made", [])
     if decision["finished"] is not None:
+        if main:
+            release_lock(out)
         return decision["finished"]
-    training = Run(cfg, out, device, rank, quiet or not main)
-    if main:  # held while this process trains into out; a second run on the same out is refused meanwhile
-        take_lock(Path(out))
+    try:
+        training = Run(cfg, out, device, rank, quiet or not main)
+    except BaseException:
+        if main:
+            _give_up(out, made)
+        raise
     try:
         start = training.start(decision["resume"])
         end = min(cfg.train.steps, stop_after) if stop_after is not None else cfg.train.steps
@@ -430,6 +454,15 @@ def run(cfg: Config, out: Path, resume: bool = False, stop_after: int | None = N
         training.cluster.close()
         if main:
             release_lock(Path(out))
+
+
+def _give_up(out: Path, made: list[Path]) -> None:
+    """A run that refused to start: its lock released, and the folders its lock created removed (nothing else was
+    written in them)."""
+    release_lock(out)
+    for folder in made:
+        with contextlib.suppress(OSError):
+            folder.rmdir()
 
 
 def _failure_free_gradient(cluster, plan, cfg: Config) -> list[torch.Tensor]:
