@@ -663,10 +663,10 @@ def lineage(own: dict[int, list[dict]], healed: list[dict], finished: set[int]) 
     for h in healed:
         heals.setdefault(h["rank"], []).append(h)
     t = lambda row: row["backend"]["time"]  # noqa: E731
-    by_step = {}  # step -> the rows (rank, index) of it
+    versions = {}  # step -> the rows (rank, index, row) of it
     for q, rows in mine.items():
         for j, x in enumerate(rows):
-            by_step.setdefault(x["step"], []).append((q, j))
+            versions.setdefault(x["step"], []).append((q, j, x))
 
     def after(q: int, j: int) -> float:  # when replica q wrote its row after row j (inf: none)
         return t(mine[q][j + 1]) if j + 1 < len(mine[q]) else float("inf")
@@ -679,6 +679,9 @@ def lineage(own: dict[int, list[dict]], healed: list[dict], finished: set[int]) 
         same = j + 1 == len(mine[q]) or mine[q][j]["backend"].get("life") == mine[q][j + 1]["backend"].get("life")
         return same and all(not t(mine[q][j]) < h["time"] < after(q, j) for h in heals.get(q, []))
 
+    def next_is(q: int, j: int, row: dict) -> bool:  # replica q's row after row j is `row`'s step, the same version
+        return j + 1 < len(mine[q]) and mine[q][j + 1]["step"] == row["step"] and _same(mine[q][j + 1], row)
+
     def sources(r: int, i: int) -> list[tuple[int, int]]:
         """The rows the state behind row i of replica r came from (i = len(mine[r]): the state it finished with)."""
         row = mine[r][i] if i < len(mine[r]) else None
@@ -687,13 +690,12 @@ def lineage(own: dict[int, list[dict]], healed: list[dict], finished: set[int]) 
         if heal is None:
             return [(r, i - 1)] if i else []
         when = heal["time"]
-        peers = [(q, j) for q, j in by_step.get(heal["healed_at_step"], []) if q != r and t(mine[q][j]) < when]
+        peers = [(q, j) for q, j, x in versions.get(heal["healed_at_step"], []) if q != r and t(x) < when]
         went_on = [(q, j) for q, j in peers if j + 1 < len(mine[q]) and held(q, j)]
         # in its quorum: the peer held that row's state at the heal, and its next row is this replica's next one
-        in_quorum = [(q, j) for q, j in peers if held(q, j) and after(q, j) > when and (
-            row is None or (j + 1 < len(mine[q]) and mine[q][j + 1]["step"] == row["step"] and _same(mine[q][j + 1], row)))]
-        same_next = [(q, j) for q, j in went_on if row is not None and mine[q][j + 1]["step"] == row["step"]
-                     and _same(mine[q][j + 1], row)]
+        in_quorum = [(q, j) for q, j in peers
+                     if held(q, j) and after(q, j) > when and (row is None or next_is(q, j, row))]
+        same_next = [(q, j) for q, j in went_on if row is not None and next_is(q, j, row)]
         return in_quorum or same_next or went_on or peers
 
     history, todo = set(), [(r, len(mine[r])) for r in finished if r in mine]
@@ -705,12 +707,8 @@ def lineage(own: dict[int, list[dict]], healed: list[dict], finished: set[int]) 
         kept = [x["step"] for i, x in enumerate(rows) if (r, i) in history]
         if any(b <= a for a, b in zip(kept, kept[1:])):
             raise TrainingStopped(f"rank {r} committed a step twice: {kept}")
-    rows = {0: next(row for found in own.values() for row in found if row["step"] == 0)} if any(
-        row["step"] == 0 for found in own.values() for row in found) else {}  # the evaluation before training
-    versions = {}
-    for r, found in mine.items():
-        for i, row in enumerate(found):
-            versions.setdefault(row["step"], []).append((r, i, row))
+    first = next((row for found in own.values() for row in found if row["step"] == 0), None)
+    rows = {0: first} if first is not None else {}  # the evaluation before training
     lost = []  # the rows outside the run's history
     for step, written in sorted(versions.items()):
         sides = []  # the distinct versions of the step, each with the rows that wrote it
