@@ -66,6 +66,8 @@ PROFILES = {"quick": {"single": 2, "groups": 1}, "default": {"single": 50, "grou
 TWIN_RTOL = 1e-4
 EXACT_EVERY = 5  # one-process schedules whose seed is a multiple of this also get a torch-backend twin
 HOLD_S = "0.3"  # every heal and checkpoint write held this long (MECEFO_FT_HEAL_DELAY_S, MECEFO_CHECKPOINT_DELAY_S)
+# mecefo.launch.recovery_times: every kill and restart, and those whose interval met no stall or lighthouse outage
+TIMINGS = ("restart_to_rejoin_s", "kill_to_step_s", "restart_to_rejoin_clear_s", "kill_to_step_clear_s")
 TARGETS = {"rejoin_p95_s": {"one-process": 5.0, "groups of 2": 10.0}, "kill_to_step_p95_s": 1.5}
 
 
@@ -205,7 +207,7 @@ def check(s: Schedule, scratch: Path) -> dict:
     if code == 3 and refused:
         events = json.loads((out / "events.json").read_text())["events"] if (out / "events.json").exists() else []
         return result | {"lost": None, "violations": [refused], "invariants": {refused: False}, "last_line": last,
-                         "twin_max_rel": None, "torch_twin_max_rel": None, "kill_to_step_s": [], "restart_to_rejoin_s": [],
+                         "twin_max_rel": None, "torch_twin_max_rel": None, **{k: [] for k in TIMINGS},
                          "not_rejoined": [], "phases": [], "chaos": _chaos_events(events), "crashes": 0}
     if code != 0:
         return result | {"lost": f"not finished within {s.limit_s:g} s" if code is None else f"exit {code}: {last}"}
@@ -225,8 +227,8 @@ def check(s: Schedule, scratch: Path) -> dict:
     }
     return result | {
         "lost": None, "invariants": invariants, "violations": [k for k, ok in invariants.items() if not ok],
-        "twin_max_rel": twin, "torch_twin_max_rel": exact, "kill_to_step_s": backend["timings"]["kill_to_step_s"],
-        "restart_to_rejoin_s": backend["timings"]["restart_to_rejoin_s"], "not_rejoined": missing,
+        "twin_max_rel": twin, "torch_twin_max_rel": exact, **{k: backend["timings"][k] for k in TIMINGS},
+        "not_rejoined": missing,
         "phases": _phases(events), "chaos": _chaos_events(events),
         "crashes": sum(e["kind"] == "crash" for e in events), "superseded_rows": backend.get("superseded_rows", []),
         "last_line": last_line}
@@ -358,8 +360,7 @@ def summarise(runs: list[dict]) -> dict:
         per_family[f] = {
             "schedules": sum(r["family"] == f for r in runs), "lost": sum(r["family"] == f and bool(r["lost"]) for r in runs),
             "violations": sum(len(r["violations"]) for r in mine), "resumed_after_all_down": sum(r["resumed"] for r in mine),
-            "restart_to_rejoin_s": _quantiles([t for r in mine for t in r["restart_to_rejoin_s"]]),
-            "kill_to_step_s": _quantiles([t for r in mine for t in r["kill_to_step_s"]]),
+            **{k: _quantiles([t for r in mine for t in r.get(k, [])]) for k in TIMINGS},
             "restart_to_waiting_s": _quantiles([p["to_waiting_s"] for r in mine for p in r["phases"]
                                                 if p["to_waiting_s"] is not None]),
             "not_rejoined": sum(len(r["not_rejoined"]) for r in mine), "crashes": sum(r["crashes"] for r in mine),

@@ -43,7 +43,7 @@ def test_members_that_die_as_a_new_quorum_forms_do_not_hold_the_survivors(tmp_pa
     rendezvous at that store ends when the lighthouse counts the dead dead (about its heartbeat timeout, 0.5 s) instead of
     waiting for them for the store's 30 s timeout; every step once, the twin's curve."""
     out, args = tmp_path / "ft", ["--ranks", "5", "--steps", "80", "--eval_every", "80"]
-    r = launch(out, *args, "--min-step-s", "0.15", "--spares", "0", "--kill", "4:5:6",
+    r = launch(out, *args, "--min-step-s", "0.15", "--no_fork_server", "--kill", "4:5:6",
                env={"MECEFO_FT_FAULT_DIE_IN_QUORUM": "0,1,2:6"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     downs = [e["rank"] for e in json.loads((out / "events.json").read_text())["events"] if e["kind"] == "down"]
@@ -75,7 +75,8 @@ def test_a_step_committed_by_a_replica_that_then_died_alone_is_redone_and_its_ro
     died with it. The merge keeps the run's (the surviving lineage's) row and says it dropped one, instead of refusing
     the records ("step 15: replicas disagree", as the chaos harness met on seed 29); the twin's curve."""
     out, args = tmp_path / "ft", ["--ranks", "3", "--steps", "40", "--eval_every", "40"]
-    r = launch(out, *args, "--min-step-s", "0.15", env={"MECEFO_FT_FAULT_LONE_COMMIT": "0:15"})
+    # (a fresh process: a fork of the fork server is back in time to redo step 15 with them, and rank 0 is not down)
+    r = launch(out, *args, "--min-step-s", "0.15", "--no_fork_server", env={"MECEFO_FT_FAULT_LONE_COMMIT": "0:15"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     own = [json.loads(line) for line in (out / "replicas" / "rank0.jsonl").read_text().splitlines() if line.strip()]
     orphan = next(row for row in own if row["step"] == 15)
@@ -142,7 +143,7 @@ def test_a_crashed_replica_is_restarted_and_a_restart_too_late_to_rejoin_is_name
     at once without a spare (a fresh process takes seconds to start) cannot rejoin in time: the summary and the
     launcher's last line name it."""
     out, args = tmp_path / "ft", ["--ranks", "3", "--steps", "80", "--eval_every", "80"]
-    r = launch(out, *args, "--min-step-s", "0.15", "--spares", "0", "--kill", "2:77:78",
+    r = launch(out, *args, "--min-step-s", "0.15", "--no_fork_server", "--kill", "2:77:78",
                env={"MECEFO_FT_FAULT_CRASH": "1:10"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     events = json.loads((out / "events.json").read_text())["events"]
@@ -166,7 +167,7 @@ def test_a_replica_that_crashes_at_every_start_stops_the_launch_past_its_restart
     (tmp_path / "mods" / "crash_in_replicas.py").write_text(
         "import sys\nif sys.argv[0].endswith('ft.py') and '--replica' in sys.argv and "
         "sys.argv[sys.argv.index('--replica') + 1] == '1':\n    raise RuntimeError('boom in a replica')\n")
-    r = launch(tmp_path / "ft", "--ranks", "2", "--steps", "20", "--max_restarts", "1", "--spares", "0", env={
+    r = launch(tmp_path / "ft", "--ranks", "2", "--steps", "20", "--max_restarts", "1", "--no_fork_server", env={
         "MECEFO_POLICY_MODULES": "crash_in_replicas", "PYTHONPATH": f"{tmp_path / 'mods'}:{ROOT / 'src'}:{ROOT}"},
         timeout=120)
     assert r.returncode == 3, r.stderr[-2000:]

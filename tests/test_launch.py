@@ -52,7 +52,9 @@ def test_merge_joins_the_replicas_rows_into_the_trainers_records(tmp_path):
     assert summary["failure_schedule"] == {"fraction_failed": pytest.approx(1 / 6), "events": 1}  # as it happened
     assert summary["backend"]["kills"] == 1
     # the kill at 10.5 s: the first step without rank 1 committed at 11.0; the restart at 11.5: it trained at 12.0
-    assert summary["backend"]["timings"] == {"kill_to_step_s": [pytest.approx(0.5)], "restart_to_rejoin_s": [pytest.approx(0.5)]}
+    assert summary["backend"]["timings"] == {"kill_to_step_s": [pytest.approx(0.5)], "restart_to_rejoin_s": [pytest.approx(0.5)],
+                                             "kill_to_step_clear_s": [pytest.approx(0.5)],
+                                             "restart_to_rejoin_clear_s": [pytest.approx(0.5)]}
     assert json.loads((tmp_path / "events.json").read_text())["healed"] == [{"rank": 1, "healed_at_step": 2, "time": 11.8}]
 
 
@@ -185,20 +187,24 @@ def test_restarts_are_judged_within_their_window_and_those_never_back_are_named(
     """Rank 1 restarted at 2 s rejoins at 3 s, is killed at 3.3 s, restarted at 3.5 s, and the launch stops with every
     rank down: its resume at 3.8 s ends that restart's window (not judged, nor a 1 s rejoin at 4.5 s). Rank 2 restarted
     at 5 s is killed again at 5.5 s before it trained (not judged; that kill is not a training rank's), restarted at
-    6 s and never trains: named, with what it was last doing."""
+    6 s and never trains: named, with what it was last doing. A lighthouse outage (2.2-2.8 s) and a stall (4.1-4.3 s)
+    keep the rejoin and the second kill out of the clear lists."""
     from mecefo.launch import not_rejoined, recovery_times
 
     def event(t, kind, r, **more):
         return {"time": t, "kind": kind, "rank": r, "step": 0, "why": "restart after a kill", **more}
 
-    events = [event(0.0, "start", 1, why="initial"), event(1.0, "kill", 1), event(2.0, "start", 1), event(3.3, "kill", 1),
-              event(3.5, "start", 1), {"time": 3.8, "kind": "resume", "step": 3}, event(4.0, "kill", 2),
-              event(5.0, "start", 2), event(5.5, "kill", 2), event(6.0, "start", 2, step=6),
-              event(6.5, "status", 2, status="waiting")]
+    events = [event(0.0, "start", 1, why="initial"), event(1.0, "kill", 1), event(2.0, "start", 1),
+              {"time": 2.2, "kind": "lighthouse", "what": "killed"}, {"time": 2.8, "kind": "lighthouse", "what": "restarted"},
+              event(3.3, "kill", 1), event(3.5, "start", 1), {"time": 3.8, "kind": "resume", "step": 3},
+              event(4.0, "kill", 2), event(4.1, "stall", 0, seconds=0.2), event(5.0, "start", 2), event(5.5, "kill", 2),
+              event(6.0, "start", 2, step=6), event(6.5, "status", 2, status="waiting")]
     rows = {s: _row(s, 0, t, down) for s, t, down in
             [(1, 0.5, []), (2, 1.5, [1]), (3, 3.0, []), (4, 4.5, [2]), (5, 5.8, [2]), (6, 6.2, [2]), (7, 10.0, [2])]}
     timings = recovery_times(events, rows, [])
-    assert timings == {"kill_to_step_s": [pytest.approx(0.5), pytest.approx(0.5)], "restart_to_rejoin_s": [pytest.approx(1.0)]}
+    assert timings == {"kill_to_step_s": [pytest.approx(0.5), pytest.approx(0.5)], "restart_to_rejoin_s": [pytest.approx(1.0)],
+                       # the second kill's step waited on a stalled rank, the rejoin on a lighthouse that was down
+                       "kill_to_step_clear_s": [pytest.approx(0.5)], "restart_to_rejoin_clear_s": []}
     assert not_rejoined(events, rows, end=10.0) == [
         {"rank": 2, "restarted_at_step": 6, "seconds_before_end": 4.0, "last_status": "waiting"}]
 

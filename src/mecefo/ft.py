@@ -47,7 +47,7 @@ from .cluster import Backend, StepResult
 from .errors import TrainingStopped, UsageError, guarded
 from . import liveness
 from .plan import Piece, StepPlan
-from .processes import die_with_parent, group_store
+from .processes import die_with_parent, group_store, serve
 from .records import atomic_write_text, repair_tail
 
 HEAL_DELAY_ENV = "MECEFO_FT_HEAL_DELAY_S"  # tests: hold a process's first healing so that it can be killed then
@@ -748,34 +748,10 @@ def replica(cfg, out: Path, rank: int, lighthouse: str, min_step_s: float, wait_
         training.cluster.close()
 
 
-def spare() -> int:
-    """A replica process started ahead of need by mecefo.launch (`python -m mecefo.ft --out OUT --spare`): it pays the
-    interpreter's start, the imports and torch's first-optimizer import of its compiler (about 3 s here, before any
-    failure), then waits on its standard input for one line, {"argv", "env", "log"}: the command line, the
-    environment and the log file of the replica it becomes. End of input: not needed, it exits."""
-    import torch._dynamo  # noqa: F401  (what torch.optim's first optimizer imports, ~1 s)
-    import torch.distributed.checkpoint.state_dict  # noqa: F401
-    import torch.distributed.fsdp  # noqa: F401
-    import torchft  # noqa: F401
-
-    from . import train  # noqa: F401
-
-    line = sys.stdin.readline()
-    if not line:
-        return 0
-    job = json.loads(line)
-    os.environ.update(job["env"])
-    log = os.open(job["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
-    return main(job["argv"])
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if "--spare" in argv:
-        return spare()
+    if "--fork-server" in argv:  # mecefo.launch's: every replica process a fork of this one (mecefo.processes)
+        return serve()
     parser = argparse.ArgumentParser(prog="python -m mecefo.ft", description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--out", required=True)
     parser.add_argument("--replica", type=int, required=True)

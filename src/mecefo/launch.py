@@ -47,7 +47,7 @@ from . import chaos, failures
 from . import config as config_mod
 from .errors import BAD_INPUT, CANNOT_GO_ON, TrainingStopped, UsageError, guarded
 from .liveness import read_status
-from .processes import die_with_parent, group_store
+from .processes import ForkServer, become_subreaper, die_with_parent, group_store
 from .records import atomic_write_json, atomic_write_text, git_commit, read_rows
 
 POLL_S = 0.02
@@ -62,8 +62,8 @@ JOIN_TIMEOUT_MS = int(os.environ.get("MECEFO_FT_LIGHTHOUSE_JOIN_MS", "20000"))
 # chaos harness: with 1000 ms, kill -> next step was 1.0-1.1 s at best (p95 3.8 s); with 500 ms, 0.5-0.6 s.
 HEARTBEAT_TIMEOUT_MS = int(os.environ.get("MECEFO_FT_HEARTBEAT_MS", "500"))
 TRAINING = ("step", "evaluating", "checkpointing")  # the statuses of a replica that trains (status word, then its step)
-SPARES = 2  # default --spares on the CPU, per process of a replica group (a kill of several ranks takes several)
-SPARE_BACKOFF_S = 10.0
+FORK_SERVER_BACKOFF_S = 10.0  # after the fork server died: start the next one no sooner
+FORK_SERVER_READY_S = 60.0  # the run's first replicas wait this long for the fork server, then start as fresh processes
 MAX_RESTARTS = 3  # default --max_restarts: restarts of a rank after a crash (a non-signal exit other than 2 and 3)
 
 
@@ -167,9 +167,9 @@ class Supervisor:
     lighthouse_down: bool = False  # killed for good (--kill lighthouse:STEP): not restarted when found dead
     seen: dict = field(default_factory=dict)  # rank -> the last status word observed
     observed: dict = field(default_factory=dict)  # rank -> its status file's words, as last read (or written here)
-    n_spares: int = 0  # processes kept started ahead of need (--spares)
-    spares: list = field(default_factory=list)  # their Popens
-    spare_backoff_until: float = 0.0  # after a spare died unassigned: start the next one no sooner
+    fork_server: bool = False  # replica processes forked from a process with the imports done (--fork_server)
+    forks: ForkServer | None = None  # that process, while it lives
+    fork_server_back_at: float = 0.0  # after it died: start the next one no sooner
     first_step: int = 0  # the step this launch starts from (a restart before any commit is a start)
     wait_for: int = 1  # the replicas the run's first step waits for
     polling: bool = False  # in run()'s loop: a signal is only recorded, and the loop raises it (see interrupt)
@@ -241,27 +241,19 @@ class Supervisor:
             env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.stores[rank].port), "WORLD_SIZE": str(self.group_size)}
         argv = ["--out", str(self.out), "--replica", str(rank), "--lighthouse", self.lighthouse.address,
                 "--min-step-s", str(self.min_step_s)] + (["--rejoin"] if why != "initial" else ["--wait-for", str(wait_for)])
-        group, spared = [], 0
+        group, forked = [], 0
         for j in range(self.group_size):
             if self.gpus and "CUDA_VISIBLE_DEVICES" not in os.environ:  # one GPU per process on this node
                 env["CUDA_VISIBLE_DEVICES"] = str((rank * self.group_size + j) % self.gpus)
-            mine = env | {"RANK": str(j), "LOCAL_RANK": str(j)}
-            spare = self.take_spare() if why != "initial" else None
-            if spare is not None:  # it becomes this process (its imports done)
-                try:
-                    spare.stdin.write(json.dumps({"argv": argv, "env": mine, "log": str(self.out / "replicas" /
-                                                                                         _log_name(rank, j))}) + "\n")
-                    spare.stdin.close()
-                    group.append(spare)
-                    spared += 1
-                    continue
-                except OSError:  # it died since: a fresh process instead
-                    spare.kill()
-                    spare.wait()
-            log = open(self.out / "replicas" / _log_name(rank, j), "a")
-            group.append(subprocess.Popen([sys.executable, "-m", "mecefo.ft", *argv], stdout=log, stderr=subprocess.STDOUT,
-                                          env=mine, start_new_session=True, preexec_fn=die_with_parent))
-            log.close()  # the child holds its own descriptor
+            mine, path = env | {"RANK": str(j), "LOCAL_RANK": str(j)}, self.out / "replicas" / _log_name(rank, j)
+            proc = self.forks.spawn(argv, mine, str(path)) if self.forks is not None else None
+            if proc is not None:  # its imports done
+                forked += 1
+            else:  # a fresh interpreter
+                with open(path, "a") as log:  # (the child holds its own descriptor)
+                    proc = subprocess.Popen([sys.executable, "-m", "mecefo.ft", *argv], stdout=log, stderr=subprocess.STDOUT,
+                                            env=mine, start_new_session=True, preexec_fn=die_with_parent)
+            group.append(proc)
         self.procs[rank] = group
         self.seen.pop(rank, None)
         for k in self.kills:  # every earlier kill of the rank is answered by this start
@@ -270,7 +262,7 @@ class Supervisor:
         if why != "initial":
             self.rejoining.add(rank)
         self.log(f"started rank {rank} (pid {' '.join(str(p.pid) for p in group)}, {why}"
-                 + (f", {spared} from spares" if spared else "") + ")", kind="start", rank=rank, why=why, spares=spared,
+                 + (f", {forked} forked" if forked else "") + ")", kind="start", rank=rank, why=why, forked=forked,
                  step=self.committed())
 
     def replica_env(self) -> dict:
@@ -282,29 +274,17 @@ class Supervisor:
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         return env
 
-    def take_spare(self):
-        """A spare process still alive and waiting (None: none)."""
-        while self.spares:
-            spare = self.spares.pop(0)
-            if spare.poll() is None:
-                return spare
-        return None
-
-    def keep_spares(self) -> None:
-        """Start a spare when fewer than --spares wait, once training runs and no restart is under way (a spare's
-        start would slow it on a busy node); after one died unassigned, not for SPARE_BACKOFF_S."""
-        alive = [p for p in self.spares if p.poll() is None]
-        if len(alive) < len(self.spares):
-            self.log(f"a spare process died unassigned (see {self.out / 'replicas' / 'spares.log'})", kind="spare_died")
-            self.spare_backoff_until = time.monotonic() + SPARE_BACKOFF_S
-        self.spares = alive
-        if (len(self.spares) < self.n_spares and self.committed() >= 1 and not self.rejoining
-                and time.monotonic() >= self.spare_backoff_until):
-            with open(self.out / "replicas" / "spares.log", "a") as log:
-                self.spares.append(subprocess.Popen(
-                    [sys.executable, "-m", "mecefo.ft", "--out", str(self.out), "--spare"], stdin=subprocess.PIPE, text=True,
-                    stdout=log, stderr=subprocess.STDOUT, env=self.replica_env(), start_new_session=True,
-                    preexec_fn=die_with_parent))
+    def keep_fork_server(self) -> None:
+        """The fork server (--fork_server): started with the launch, and again FORK_SERVER_BACKOFF_S after it died
+        (meanwhile replicas start as fresh interpreters)."""
+        if not self.fork_server:
+            return
+        if self.forks is not None and not self.forks.alive():
+            self.log(f"the fork server died (see {self.out / 'replicas' / 'fork-server.log'}); replicas start as fresh "
+                     "processes until the next one is ready", kind="fork_server_died")
+            self.forks, self.fork_server_back_at = None, time.monotonic() + FORK_SERVER_BACKOFF_S
+        if self.forks is None and time.monotonic() >= self.fork_server_back_at:
+            self.forks = ForkServer(self.out, self.replica_env(), self.out / "replicas" / "fork-server.log")
 
     def kill(self, rank: int, why: str, process: int | None = None) -> None:
         """SIGKILL rank's replica group (process None), or one process of it, which then takes the group down."""
@@ -335,6 +315,8 @@ class Supervisor:
 
     def stall(self, rank: int, seconds: float) -> None:
         """SIGSTOP rank's processes, SIGCONT after `seconds` (a straggler)."""
+        self.log(f"stopped rank {rank} for {seconds:g} s at step {self.committed()}", kind="stall", rank=rank,
+                 seconds=seconds, step=self.committed())
         for proc in self.procs.get(rank, ()):
             proc.send_signal(signal.SIGSTOP)
         self.stalled[rank] = time.monotonic() + seconds
@@ -363,6 +345,11 @@ class Supervisor:
         n, steps = self.cfg.cluster.ranks, self.cfg.train.steps
         self.first_step, self.wait_for = self.furthest, n - len(initially_down)
         self.polling = True  # stays True if the loop raises: a second signal during the clean-up is only recorded
+        self.keep_fork_server()
+        ready_by = time.monotonic() + FORK_SERVER_READY_S  # (its one import is quicker than every replica's at once)
+        while self.forks is not None and not self.forks.is_ready(0.1) and self.forks.alive() and not self.interrupted \
+                and time.monotonic() < ready_by:
+            pass
         for r in range(n):
             if r not in initially_down:
                 self.start(r, "initial", wait_for=self.wait_for)
@@ -393,8 +380,6 @@ class Supervisor:
                 if not k.done and step >= k.at_step and (k.rank is None or k.rank in self.procs):
                     k.done = k.restarted = True
                     if k.what == "stall":
-                        self.log(f"stopped rank {k.rank} for {k.seconds:g} s at step {step} (planned)", kind="stall",
-                                 rank=k.rank, seconds=k.seconds, step=step)
                         self.stall(k.rank, k.seconds)
                     else:
                         self.restart_lighthouse(k.seconds)
@@ -428,7 +413,7 @@ class Supervisor:
             self.lighthouse.restart()
         if self.chaos is not None:
             self.chaos.poll(self, now)
-        self.keep_spares()
+        self.keep_fork_server()
         for r, group in list(self.procs.items()):
             codes = [proc.poll() for proc in group]
             dead = [j for j, code in enumerate(codes) if code is not None and code != 0]
@@ -484,11 +469,13 @@ class Supervisor:
                               + self.after_stop())
 
     def stop(self) -> None:
-        for proc in [p for group in self.procs.values() for p in group] + self.spares:
+        for proc in [p for group in self.procs.values() for p in group]:
             proc.send_signal(signal.SIGKILL)
             proc.wait()
         self.procs.clear()
-        self.spares.clear()
+        if self.forks is not None:
+            self.forks.stop()
+            self.forks = None
 
 
 def _how(code: int) -> str:
@@ -761,12 +748,35 @@ def _windows(events: list, kinds: tuple) -> list[tuple[dict, float]]:
     return found
 
 
+def disruptions(events: list) -> list[tuple[float, float]]:
+    """The intervals in which no recovery can be quick whatever the code does: a rank stalled (SIGSTOP: a straggler
+    holds every synchronous step) and the lighthouse down (no quorum forms), as (start, end) times."""
+    found, down_since = [], None
+    for e in events:
+        if e["kind"] == "stall":
+            found.append((e["time"], e["time"] + e["seconds"]))
+        elif e["kind"] == "lighthouse" and e.get("what") == "killed":
+            down_since = e["time"]
+        elif e["kind"] == "lighthouse" and down_since is not None:  # restarted (or found dead and restarted)
+            found.append((down_since, e["time"]))
+            down_since = None
+    return found + ([(down_since, float("inf"))] if down_since is not None else [])
+
+
 def recovery_times(events: list, rows: dict, healed: list) -> dict:
     """Seconds from each kill of a training rank (ours, or a death nobody planned, as the launcher saw it) to the next
     committed step (the run's, before any resume), and from each restart to the first committed step the restarted rank took part in
-    (each within its window: before the rank's next kill or start, and before the run's next resume)."""
+    (each within its window: before the rank's next kill or start, and before the run's next resume). The `_clear`
+    lists keep those whose interval meets no disruption (a stall, the lighthouse down): what recovery itself costs."""
     committed = [rows[s] for s in sorted(rows) if s > 0]
-    to_first_step, to_rejoin = [], []
+    to_first_step, to_rejoin, clear = [], [], {"kill_to_step_clear_s": [], "restart_to_rejoin_clear_s": []}
+    spans = disruptions(events)
+
+    def add(to: list, key: str, start: float, end: float) -> None:
+        to.append(end - start)
+        if not any(a < end and start < b for a, b in spans):
+            clear[key].append(end - start)
+
     resumes = [x["time"] for x in events if x["kind"] == "resume"]
     for e in events:
         if not (e["kind"] == "kill" or (e["kind"] == "down" and e.get("unplanned"))):
@@ -777,13 +787,13 @@ def recovery_times(events: list, rows: dict, healed: list) -> dict:
         end = min((t for t in resumes if t > e["time"]), default=float("inf"))
         after = [r["backend"]["time"] for r in committed if e["time"] < r["backend"]["time"] < end]
         if after:
-            to_first_step.append(after[0] - e["time"])
+            add(to_first_step, "kill_to_step_clear_s", e["time"], after[0])
     for e, end in _windows(events, ("start",)):
         if e["why"] != "initial":
             after = [r["backend"]["time"] for r in committed if e["time"] < r["backend"]["time"] < end and e["rank"] not in r["down"]]
             if after:
-                to_rejoin.append(after[0] - e["time"])
-    return {"kill_to_step_s": to_first_step, "restart_to_rejoin_s": to_rejoin}
+                add(to_rejoin, "restart_to_rejoin_clear_s", e["time"], after[0])
+    return {"kill_to_step_s": to_first_step, "restart_to_rejoin_s": to_rejoin, **clear}
 
 
 def not_rejoined(events: list, rows: dict, end: float) -> list[dict]:
@@ -823,11 +833,13 @@ def main(argv: list[str] | None = None, restore_signals: bool = True) -> int:
     parser.add_argument("--chaos", metavar="SEED[:RATE]",
                         help=f"random failure events, RATE per minute (default {chaos.DEFAULT_RATE:g}), drawn from SEED "
                              "(the kinds and their weights: below)")
-    config_mod.add_flag(parser, "spares", type=int, default=None,
-                        help="replica processes kept started ahead of need, which a restart takes over: a restarted rank "
-                             "skips the interpreter's start and the imports (about 3 s on 2 CPU cores); default: two per "
-                             "process of a replica group on the CPU, none on CUDA (where a process must see its GPU "
-                             "before torch first looks at CUDA)")
+    parser.add_argument("--no-fork-server", "--no_fork_server", dest="fork_server", action="store_false",
+                        help="every replica process a fresh interpreter (see --fork_server)")
+    config_mod.add_flag(parser, "fork_server", action="store_true", default=None,
+                        help="start every replica process as a fork of one that has done the imports (a restart then "
+                             "skips the interpreter's start and the imports, 3-9 s on 2 busy CPU cores); default: on "
+                             "the CPU on Linux, off on CUDA (a process must see its GPU before torch first looks at "
+                             "CUDA, and CUDA does not survive a fork)")
     config_mod.add_flag(parser, "max-restarts", type=int, default=MAX_RESTARTS,
                         help="restarts of a rank that crashes (exits with a status other than 2 and 3) before the launch stops")
     parser.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt")
@@ -855,8 +867,6 @@ def main(argv: list[str] | None = None, restore_signals: bool = True) -> int:
             punisher_args = chaos.parse(args.chaos) if args.chaos else None
             if args.max_restarts < 0:
                 raise UsageError(f"--max_restarts {args.max_restarts} must be at least 0")
-            if args.spares is not None and args.spares < 0:
-                raise UsageError(f"--spares {args.spares} must be at least 0")
             trainer_flags, overrides = train_args(rest)
             if trainer_flags.stop_after is not None:
                 raise UsageError("mecefo.launch has no --stop_after: interrupt it (Ctrl-C) and continue with --resume")
@@ -885,9 +895,9 @@ def main(argv: list[str] | None = None, restore_signals: bool = True) -> int:
             import torch
 
             gpus = torch.cuda.device_count() if device.type == "cuda" else 0
-            if gpus and args.spares:
-                raise UsageError(f"--spares {args.spares}: not on CUDA (a spare imports torch before it knows its GPU, "
-                                 "and torch reads CUDA_VISIBLE_DEVICES once); use --spares 0")
+            if gpus and args.fork_server:
+                raise UsageError("--fork_server: not on CUDA (the server imports torch before a replica knows its GPU, "
+                                 "and CUDA does not survive a fork); drop it")
             if gpus and args.group_size > 1 and cc.ranks * args.group_size > gpus:
                 raise UsageError(f"{cc.ranks} ranks x --group_size {args.group_size} processes need as many GPUs on this "
                                  f"node (NCCL cannot share one between processes of a group); it has {gpus}")
@@ -921,8 +931,8 @@ def main(argv: list[str] | None = None, restore_signals: bool = True) -> int:
             punisher = chaos.Punisher(*punisher_args, args.group_size, cfg.train.steps) if punisher_args else None
             supervisor = Supervisor(cfg, out, lighthouse, kills, args.min_step_s, args.quiet, furthest=start_step,
                                     group_size=args.group_size, max_restarts=args.max_restarts, chaos=punisher,
-                                    n_spares=(SPARES * args.group_size if device.type == "cpu" else 0)
-                                    if args.spares is None else args.spares)
+                                    fork_server=(device.type == "cpu" if args.fork_server is None else args.fork_server)
+                                    and become_subreaper())
             supervisor.gpus = gpus
             if args.resume:  # the run's events so far (a launch that stopped wrote them), then this launch's
                 earlier = out / "events.json"
