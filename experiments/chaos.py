@@ -170,7 +170,8 @@ def _phases(events: list[dict]) -> list[dict]:
             if x["kind"] == "status" and x.get("rank") == e["rank"] and e["time"] < x["time"] < end:
                 seen.setdefault(x["status"], x["time"])
         trained = min((seen[k] for k in ("step", "evaluating", "checkpointing") if k in seen), default=None)
-        found.append({"rank": e["rank"], "to_waiting_s": seen["waiting"] - e["time"] if "waiting" in seen else None,
+        found.append({"rank": e["rank"], "forked": e.get("forked", 0),
+                      "to_waiting_s": seen["waiting"] - e["time"] if "waiting" in seen else None,
                       "to_training_s": trained - e["time"] if trained is not None else None})
     return found
 
@@ -231,6 +232,7 @@ def check(s: Schedule, scratch: Path) -> dict:
         "not_rejoined": missing,
         "phases": _phases(events), "chaos": _chaos_events(events),
         "crashes": sum(e["kind"] == "crash" for e in events), "superseded_rows": backend.get("superseded_rows", []),
+        "fork_server_deaths": sum(e["kind"] == "fork_server_died" for e in events),
         "last_line": last_line}
 
 
@@ -364,6 +366,8 @@ def summarise(runs: list[dict]) -> dict:
             "restart_to_waiting_s": _quantiles([p["to_waiting_s"] for r in mine for p in r["phases"]
                                                 if p["to_waiting_s"] is not None]),
             "not_rejoined": sum(len(r["not_rejoined"]) for r in mine), "crashes": sum(r["crashes"] for r in mine),
+            "fork_server_deaths": sum(r.get("fork_server_deaths", 0) for r in mine),
+            "restarts_not_forked": sum(p.get("forked", 1) == 0 for r in mine for p in r["phases"]),
             "superseded_rows": sum(len(r.get("superseded_rows", [])) for r in mine),
             "twin_max_rel": max((r["twin_max_rel"] for r in mine if r["twin_max_rel"] is not None), default=None),
             "torch_twin_max_rel": max((r["torch_twin_max_rel"] for r in mine if r.get("torch_twin_max_rel") is not None),

@@ -273,6 +273,9 @@ def test_a_lone_quorum_from_a_restarted_lighthouse_without_members_of_the_last_o
     taken = [result(40, everyone), result(1, everyone), result(2, everyone[:2]), result(3, alone), result(50, alone)]
     whole = liveness.QuorumRecorder(Client(taken))
     assert [whole._quorum().quorum_id for _ in range(5)] == [40, 1, 2, 3, 50]  # 1: everyone; then ids go up
+    known = liveness.QuorumRecorder(Client([result(40, everyone), result(1, alone)]))
+    known.gone = lambda members: {"mecefo_1:b", "mecefo_2:c"} & set(members)  # the launcher marked them down
+    assert [known._quorum().quorum_id for _ in range(2)] == [40, 1]  # nobody to wait for: taken
 
 
 def test_a_quorum_try_that_failed_in_another_process_of_the_group_is_tried_again_here(monkeypatch):
@@ -294,3 +297,27 @@ def test_a_quorum_try_that_failed_in_another_process_of_the_group_is_tried_again
     failing = _Manager(fails=1)  # and a try that failed here is voted down by this process
     liveness.wait_for_quorum(failing, "http://lighthouse", stall_s=5, try_s=1, agree=lambda ok: ok)
     assert failing.calls == 2
+
+
+def test_members_the_runs_files_say_hold_no_state_are_not_waited_for(tmp_path, monkeypatch):
+    """A lone survivor whose peers died as the lighthouse restarted: rank 1's file says "down" (the launcher saw it
+    die), rank 2's that its next process is starting; rank 3 last said it trained a step (stalled, or alive behind a
+    slow reconnect) and is waited for; this replica's own rank is never judged by its file."""
+    from mecefo.ft import FtCluster
+
+    (tmp_path / "rank1.status").write_text("down 1.0\n")
+    (tmp_path / "rank2.status").write_text("starting 1.0\n")
+    (tmp_path / "rank3.status").write_text("step 12 1.0\n")
+    (tmp_path / "rank0.status").write_text("down 1.0\n")
+    cluster = type("Replica", (), {"replicas": tmp_path, "rank": 0, "GONE": FtCluster.GONE})()
+    members = ["mecefo_0:a", "mecefo_1:b", "mecefo_2:c", "mecefo_3:d", "mecefo_4:e"]  # (rank 4: no file yet)
+    gone = FtCluster.members_gone(cluster, members)
+    assert gone == {"mecefo_1:b", "mecefo_2:c"}
+    fresh = liveness.Status({"mecefo_0:a": 0.0}, frozenset(), 0, None, None)
+    monkeypatch.setattr(liveness, "read_status", lambda address, timeout_s=1.0: fresh)
+    monkeypatch.setattr(liveness, "STATUS_EVERY_S", 0.01)
+    t0 = time.monotonic()
+    assert liveness.await_members("http://lighthouse", members[:3], grace_s=5, gone=lambda m: gone & set(m)) == []
+    assert time.monotonic() - t0 < 1  # not the grace
+    assert liveness.await_members("http://lighthouse", members[:4], grace_s=0.2,
+                                  gone=lambda m: gone & set(m)) == ["mecefo_3:d"]

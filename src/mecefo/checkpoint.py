@@ -4,7 +4,9 @@ A checkpoint is {"step", "config_hash"} plus one entry per component, each taken
 `state_dict()` and given back through its `load_state_dict()`: the model, the optimizer, the RNG states,
 the low-rank subspaces with their epoch, the policy's own state (checkpoint-restart's snapshot), the
 run's counters. The data position is the step (a micro-batch is a pure function of it). Written to a
-temporary file and renamed, so a checkpoint on disk is always whole.
+temporary file and renamed, so a checkpoint on disk is always whole. With train.keep_checkpoints K > 1 the K - 1
+highest-step checkpoints that were current before the latest stay beside it as checkpoint.step-S.pt (to go back to one: copy it
+over checkpoint.pt and --resume).
 """
 
 from __future__ import annotations
@@ -47,12 +49,13 @@ def gather(components: dict) -> dict:
 WRITE_DELAY_ENV = "MECEFO_CHECKPOINT_DELAY_S"  # tests, the chaos harness: hold each write before its rename (a big model's)
 
 
-def save(path: Path, step: int, config_hash: str, states: dict, keep_later: bool = False) -> None:
+def save(path: Path, step: int, config_hash: str, states: dict, keep_later: bool = False, keep: int = 1) -> None:
     """Write to a temporary file of this process's own (two writers, e.g. a stalled one and its successor, never
     share one), flushed to the disk, then renamed over the checkpoint: a writer killed at any moment leaves the
     previous checkpoint whole. With keep_later (several writers: torchft), a writer that finds a later step already
     there (it was stalled while its successor wrote) keeps that one; without it a lower step replaces a higher one,
-    as after checkpoint-restart's rollback. Temporary files of writers no longer alive are removed."""
+    as after checkpoint-restart's rollback. Temporary files of writers no longer alive are removed. keep > 1: the
+    checkpoint being replaced stays as an earlier one (keep_earlier)."""
     path = Path(path)
     for stale in path.parent.glob(f".{path.name}.*.tmp"):
         pid = stale.name.rsplit(".", 2)[-2]
@@ -70,10 +73,33 @@ def save(path: Path, step: int, config_hash: str, states: dict, keep_later: bool
         if keep_later and path.exists() and _step_of(path) > step:
             tmp.unlink()
             return
+        if keep > 1:
+            keep_earlier(path, keep - 1)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def earlier(path: Path) -> list[Path]:
+    """The earlier checkpoints kept beside path, by step."""
+    path = Path(path)
+    return sorted(path.parent.glob(f"{path.stem}.step-*{path.suffix}"))  # (8-digit steps: by name is by step)
+
+
+def keep_earlier(path: Path, n: int) -> None:
+    """Before path is replaced: its file also named path.step-S (a hard link: no copy, and the rename over it is
+    atomic; a step written again, after a rollback, replaces its earlier version), then only the n highest steps of
+    those kept."""
+    path = Path(path)
+    old = _step_of(path) if path.exists() else -1
+    if old >= 0:
+        link = path.with_name(f".{path.stem}.{os.getpid()}.link")
+        link.unlink(missing_ok=True)
+        os.link(path, link)
+        os.replace(link, path.with_name(f"{path.stem}.step-{old:08d}{path.suffix}"))
+    for stale in earlier(path)[:-n]:
+        stale.unlink(missing_ok=True)
 
 
 def _alive(pid: int) -> bool:

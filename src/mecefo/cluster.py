@@ -267,10 +267,12 @@ class Backend:
 
     several_writers = False  # whether two processes may write the run's checkpoint at once (torchft: yes)
 
-    def write_checkpoint(self, path, step: int, config_hash: str, states: dict, plan: StepPlan | None) -> None:
-        """Write the gathered states (every process that takes part in the checkpoint calls this)."""
+    def write_checkpoint(self, path, step: int, config_hash: str, states: dict, plan: StepPlan | None,
+                         keep: int = 1) -> None:
+        """Write the gathered states (every process that takes part in the checkpoint calls this); keep: how many
+        checkpoints stay (train.keep_checkpoints)."""
         if self.writes(plan):
-            checkpoint.save(path, step, config_hash, states, keep_later=self.several_writers)
+            checkpoint.save(path, step, config_hash, states, keep_later=self.several_writers, keep=keep)
 
     def metrics_path(self, out):
         return out / "metrics.jsonl" if self.rank == 0 else None

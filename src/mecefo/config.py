@@ -69,6 +69,7 @@ class TrainConfig:
     steps: int = 600  # optimizer steps
     eval_every: int = 100  # validation every k steps (and always at the end)
     checkpoint_every: int = 200  # 0: only the final checkpoint
+    keep_checkpoints: int = 1  # the latest (checkpoint.pt) and the K - 1 before it (checkpoint.step-S.pt)
     log_every: int = 20  # plain progress lines when not on a terminal
     seed: int = 0  # model initialisation and data order
     device: str = "auto"  # auto | cpu | cuda
@@ -93,6 +94,8 @@ class TrainConfig:
                 raise UsageError(f"train.{name}={getattr(self, name)} must be at least 1")
         if self.checkpoint_every < 0:
             raise UsageError(f"train.checkpoint_every={self.checkpoint_every} must be non-negative")
+        if self.keep_checkpoints < 1:
+            raise UsageError(f"train.keep_checkpoints={self.keep_checkpoints} must be at least 1 (the latest)")
         if self.device not in ("auto", "cpu", "cuda"):
             raise UsageError(f"train.device={self.device!r}; allowed: 'auto', 'cpu', 'cuda'")
         if self.precision not in ("auto", "fp32", "bf16"):
@@ -127,10 +130,10 @@ class Config:
         return dataclasses.asdict(self)
 
     def hash(self) -> str:
-        """Identity of the results this config produces (logging cadence and device excluded; fields added
+        """Identity of the results this config produces (logging cadence, device and checkpoints kept excluded; fields added
         after results existed are left out at their default, so those results keep their identity)."""
         d = self.to_dict()
-        for k in ("log_every", "device"):
+        for k in ("log_every", "device", "keep_checkpoints"):  # (how a run is kept, not what it computes)
             d["train"].pop(k)
         if self.train.precision == "auto" and self.train.resolved_device() == "cuda":
             d["train"]["precision"] = "bf16"  # what auto does there (on a CPU, auto is fp32 and hashed as "auto")

@@ -128,6 +128,7 @@ class FtCluster(Backend):
                 checkpoint_transport=PGTransport(pg, timeout=timeout, device=self.device))  # heals over the process
                 # group: no HTTP server (torchft's default transport listens on every interface)
         pg.recorder = self.manager._client = liveness.QuorumRecorder(self.manager._client, self._die_in_quorum)
+        pg.recorder.gone = self.members_gone
         if os.environ.get(FAULT_HEAL) == f"{self.rank}/{self.group.rank}" and not self.rejoin:
             self.manager._checkpoint_transport.recv_checkpoint = _fails_once(self.manager._checkpoint_transport.recv_checkpoint)
         pg.lighthouse = self.lighthouse
@@ -160,13 +161,33 @@ class FtCluster(Backend):
         heals = self.heals
         try:
             liveness.wait_for_quorum(self.manager, self.lighthouse, STALL_S, TIMEOUT_S, self.manager._client,
-                                     agree=self.quorum_agreed)
+                                     agree=self.quorum_agreed, known_gone=self.members_gone)
         except TimeoutError as e:
             raise TrainingStopped(f"rank {self.rank}: waited for a quorum at the lighthouse {self.lighthouse} in vain: "
                                   f"{e}") from None
         self.after_quorum(self.heals > heals)
 
     quorum_agreed = None  # a replica of one process has nothing to agree on (FtShardedCluster: its group's answer)
+
+    GONE = ("down", "starting", "waiting")  # the status words of a rank whose process holds none of the run's state
+
+    def members_gone(self, members: list[str]) -> set[str]:
+        """The members (torchft replica ids, mecefo_R:uuid) whose rank's status file says it holds no state: the
+        launcher found it dead ("down"), or a later process of the rank is starting or waiting to heal (the old one
+        is dead). Read from the files alone, so every process of a group answers alike for the same files; replicas
+        started by hand (no launcher to write "down") are waited for as the lighthouse's view allows."""
+        found = set()
+        for m in members:
+            name = liveness.replica_name(m)
+            if not name.startswith("mecefo_") or not name[7:].isdigit() or int(name[7:]) == self.rank:
+                continue
+            try:
+                word = (self.replicas / f"rank{int(name[7:])}.status").read_text().split()[0]
+            except (OSError, IndexError):
+                continue
+            if word in self.GONE:
+                found.add(m)
+        return found
 
     def after_quorum(self, healed: bool) -> None:
         """After a quorum: whether this process healed in it (a group's processes must agree: FtShardedCluster)."""
@@ -452,10 +473,10 @@ class FtShardedCluster(FtCluster):
                   "restarts", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def write_checkpoint(self, path, step: int, config_hash: str, states: dict, plan) -> None:
+    def write_checkpoint(self, path, step: int, config_hash: str, states: dict, plan, keep: int = 1) -> None:
         """The group's rank 0 writes; the others wait for the write (MECEFO_FT_CHECKPOINT_S), so that none of them
         goes on to the next quorum, which waits for all of the group's processes, while it writes."""
-        super().write_checkpoint(path, step, config_hash, states, plan)
+        super().write_checkpoint(path, step, config_hash, states, plan, keep)
         if self.group.size > 1:
             key = f"mecefo/checkpoint/{step}"
             if self.group.rank == 0:

@@ -299,9 +299,16 @@ class Supervisor:
         for proc in self.procs.pop(rank):
             proc.send_signal(signal.SIGKILL)
             proc.wait()
+        self.mark_down(rank)
         self.stalled.pop(rank, None)
         self.log(f"killed rank {rank} with SIGKILL at step {self.committed()} ({why})", kind="kill", rank=rank,
                  why=why, step=self.committed())
+
+    def mark_down(self, rank: int) -> None:
+        """Say in rank's status file that its process is dead: its peers do not wait for it to reappear at a restarted
+        lighthouse (FtCluster.members_gone)."""
+        atomic_write_text(self.out / "replicas" / f"rank{rank}.status", f"down {time.time():.3f}\n")
+        self.observed[rank] = ["down"]
 
     def restart_after(self, rank: int, seconds: float) -> None:
         """Restart rank (killed) after `seconds`, as a node replaced."""
@@ -335,6 +342,7 @@ class Supervisor:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
                 proc.wait()
+        self.mark_down(rank)
         self.stalled.pop(rank, None)
         what = f"process {dead} died ({_how(code)}); its group killed" if self.group_size > 1 else _how(code)
         self.log(f"rank {rank} down: {what}", kind="down", rank=rank, process=dead, code=code, unplanned=unplanned,

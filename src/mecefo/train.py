@@ -276,7 +276,8 @@ class Run:
                                   f"in {self.out} is kept")
         self.cluster.status(f"checkpointing {step}")
         states = checkpoint.gather(self.components)  # every rank: gathering FSDP shards is collective
-        self.cluster.write_checkpoint(self.out / "checkpoint.pt", step, self.cfg.hash(), states, plan)
+        self.cluster.write_checkpoint(self.out / "checkpoint.pt", step, self.cfg.hash(), states, plan,
+                                      keep=self.cfg.train.keep_checkpoints)
         self.cluster.status(f"step {step}")
 
     def step(self, step: int) -> tuple[dict | None, object]:
