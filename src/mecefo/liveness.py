@@ -55,9 +55,10 @@ REJOIN_GRACE_S = 11.0
 # group's whole timeout, so it runs under this one, and the collectives get the long one back after it.
 RENDEZVOUS_S = 5.0
 # One try to reach the quorum's store, between checks of the lighthouse's view: a store whose host died is tried
-# until the lighthouse counts that host dead. With 1 s tries (torch's client retries within a try), a survivor
-# saw the death 1.6 s after the kill instead of 0.5 s (the chaos harness's kill -> next step tail).
-CONNECT_S = 0.25
+# until the lighthouse counts that host dead. With 1 s tries (torch's client retries within a try) a survivor sees
+# the death up to 1.6 s after the kill rather than 0.5 s; 0.25 s tries left members never arriving in
+# test_a_quorum_in_flight_when_the_lighthouse_dies (a 50 s gap; the cause is not found yet), so 1 s it stays.
+CONNECT_S = 1.0
 
 
 @dataclass(frozen=True)
