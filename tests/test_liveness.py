@@ -278,6 +278,46 @@ def test_a_lone_quorum_from_a_restarted_lighthouse_without_members_of_the_last_o
     assert [known._quorum().quorum_id for _ in range(2)] == [40, 1]  # nobody to wait for: taken
 
 
+def test_a_quorum_that_repeats_the_id_of_this_replicas_group_gets_a_new_group_where_every_member_would_decide_so():
+    """A restarted lighthouse counts quorum ids from 1 again, and torchft builds a new process group only when the id
+    changes. A replica stalled across the restart holds the old lighthouse's group 3 when the new one's quorum 3 (the
+    same members) brings it back behind its peers: it must build the new group its peers wait for at the store (it
+    healed through the old one and left them waiting 30 s). Decided from the quorum alone, as every member does: a
+    member behind (a heal), or other members than the group's. A steady quorum (the same id, members, nobody behind)
+    keeps its group."""
+    Result = type("Result", (), {})
+
+    def result(qid, ids, at_max):
+        r = Result()
+        r.quorum_id, r.replica_ids, r.max_world_size, r.replica_world_size = qid, ids, at_max, len(ids)
+        return r
+
+    class Client:
+        def __init__(self, results):
+            self.results = iter(results)
+
+        def _quorum(self):
+            return next(self.results)
+
+    class Manager:
+        _quorum_id = 3
+
+    everyone = ["mecefo_0:a", "mecefo_1:b", "mecefo_2:c"]
+    recorder = liveness.QuorumRecorder(Client([result(3, everyone, 3), result(3, everyone, 2), result(3, everyone[:2], 2),
+                                               result(4, everyone, 2)]), manager=Manager())
+    recorder.configured = sorted(everyone)
+    recorder._quorum()
+    assert recorder.manager._quorum_id == 3  # steady: the group is kept
+    recorder._quorum()
+    assert recorder.manager._quorum_id == -1  # a member behind: a new group (torchft compares -1 with 3)
+    recorder.manager._quorum_id = 3
+    recorder._quorum()
+    assert recorder.manager._quorum_id == -1  # other members
+    recorder.manager._quorum_id = 3
+    recorder._quorum()
+    assert recorder.manager._quorum_id == 3  # a new id: torchft builds a new group by itself
+
+
 def test_a_quorum_try_that_failed_in_another_process_of_the_group_is_tried_again_here(monkeypatch):
     """A group's processes agree on each try: this one's succeeded, another's failed (its part of the process group
     could not be configured), so this one asks again instead of going on to wait for it in the group's collectives;

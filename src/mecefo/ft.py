@@ -128,7 +128,7 @@ class FtCluster(Backend):
                 checkpoint_transport=PGTransport(pg, timeout=timeout, device=self.device))  # heals over the process
                 # group: no HTTP server (torchft's default transport listens on every interface)
         pg.recorder = self.manager._client = liveness.QuorumRecorder(self.manager._client, self._die_in_quorum)
-        pg.recorder.gone = self.members_gone
+        pg.recorder.gone, pg.recorder.manager = self.members_gone, self.manager
         if os.environ.get(FAULT_HEAL) == f"{self.rank}/{self.group.rank}" and not self.rejoin:
             self.manager._checkpoint_transport.recv_checkpoint = _fails_once(self.manager._checkpoint_transport.recv_checkpoint)
         pg.lighthouse = self.lighthouse
@@ -353,8 +353,9 @@ class FtCluster(Backend):
         reports a dead peer only to a collective waiting on that peer's connection, so a survivor still blocked on
         this replica in the step's collective would otherwise wait out the collective timeout (30 s), heartbeating,
         while the lighthouse waits for it to join the next quorum (measured by the chaos harness: 15 s without a
-        step). The next quorum reconfigures every member anyway: the lighthouse gives a new quorum id after a
-        failed commit."""
+        step). The next quorum builds a new group: the lighthouse gives a new quorum id after a failed commit (a
+        restarted lighthouse that repeats this group's id leaves this replica with no group: its next collective fails
+        at once, its commit fails, and the quorum after has a new id)."""
         if self.manager.should_commit():
             return True
         self.manager._pg.abort()

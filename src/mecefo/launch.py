@@ -939,7 +939,7 @@ def main(argv: list[str] | None = None, restore_signals: bool = True) -> int:
             punisher = chaos.Punisher(*punisher_args, args.group_size, cfg.train.steps) if punisher_args else None
             supervisor = Supervisor(cfg, out, lighthouse, kills, args.min_step_s, args.quiet, furthest=start_step,
                                     group_size=args.group_size, max_restarts=args.max_restarts, chaos=punisher,
-                                    fork_server=bool(args.fork_server) and device.type == "cpu"
+                                    fork_server=(device.type == "cpu" if args.fork_server is None else args.fork_server)
                                     and become_subreaper())
             supervisor.gpus = gpus
             if args.resume:  # the run's events so far (a launch that stopped wrote them), then this launch's

@@ -55,10 +55,9 @@ REJOIN_GRACE_S = 11.0
 # group's whole timeout, so it runs under this one, and the collectives get the long one back after it.
 RENDEZVOUS_S = 5.0
 # One try to reach the quorum's store, between checks of the lighthouse's view: a store whose host died is tried
-# until the lighthouse counts that host dead. With 1 s tries (torch's client retries within a try) a survivor sees
-# the death up to 1.6 s after the kill rather than 0.5 s; 0.25 s tries left members never arriving in
-# test_a_quorum_in_flight_when_the_lighthouse_dies (a 50 s gap; the cause is not found yet), so 1 s it stays.
-CONNECT_S = 1.0
+# until the lighthouse counts that host dead. With 1 s tries (torch's client retries within a try), a survivor
+# saw the death 1.6 s after the kill instead of 0.5 s (the chaos harness's kill -> next step tail).
+CONNECT_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -154,13 +153,16 @@ class QuorumRecorder:
     """torchft's ManagerClient with the last quorum's result kept (its members, step and store), which the
     process group's configure is not given."""
 
-    def __init__(self, client, after=None):
+    def __init__(self, client, after=None, manager=None):
         self._client, self.last, self.after = client, None, after  # after(result): a hook (the tests' faults)
         self.at = time.monotonic()  # when the last quorum returned
+        self.manager = manager  # the torchft Manager whose client this is (set by the backend once it exists)
+        self.configured = None  # the members of the process group last configured (set by its configure)
 
     def _quorum(self, *args, **kwargs):
         result = self._client._quorum(*args, **kwargs)
         self.refuse_from_a_restarted_lighthouse(result)
+        self.reconfigure_a_repeated_id(result)
         self.last, self.at = result, time.monotonic()
         if self.after is not None:
             self.after(self.last)
@@ -189,6 +191,24 @@ class QuorumRecorder:
             print(why, flush=True)  # (torchft does not log a failed quorum)
             raise RuntimeError(why)
 
+    def reconfigure_a_repeated_id(self, result) -> None:
+        """torchft builds a new process group only when the quorum id changes, and a restarted lighthouse counts ids
+        from 1 again, so a quorum can come with the very id this replica's group was built for under the old one. The
+        replica would then go on with that group while the other members build the new one and wait at its store for
+        it, for the whole timeout (30 s). Measured: a replica stalled across a lighthouse restart woke in the new
+        lighthouse's quorum 3 holding the old one's group 3, tried to heal through it ("Connection closed by peer") and
+        left its peers at the store, 30 s; 2 launches in 4 of the in-flight-lighthouse test with the fork server.
+        So the manager is told it has no group (it builds one) when, by the quorum alone, every member decides so alike:
+        - a member is behind (max_world_size < replica_world_size: a heal in this quorum). On a lighthouse that did
+          not restart, such a quorum always has a new id (a member joined, or failed to commit), so this costs nothing;
+        - its members are not those of the group this replica last built (the same id for other members)."""
+        manager = self.manager
+        if manager is None or result.quorum_id != manager._quorum_id:
+            return  # torchft builds a new group anyway
+        behind = result.max_world_size < result.replica_world_size
+        if behind or (self.configured is not None and sorted(result.replica_ids) != self.configured):
+            manager._quorum_id = -1
+
     def __getattr__(self, name):
         return getattr(self._client, name)
 
@@ -205,6 +225,8 @@ class _ArrivalChecked:
                   group_world_size=None, global_ranks=None):
         last = self.recorder.last if self.recorder is not None else None
         members = sorted(last.replica_ids) if last is not None else []
+        if self.recorder is not None:
+            self.recorder.configured = members
         store_addr = f"{store_addr}/mecefo-{stable_hash([quorum_id, last.max_step if last else None, members])}"
         arrive(store_addr, rank, world_size, Watch(self.lighthouse, members, quorum_id), self._timeout.total_seconds())
         long, short = self._timeout, timedelta(seconds=min(RENDEZVOUS_S, self._timeout.total_seconds()))
