@@ -229,7 +229,7 @@ def check(s: Schedule, scratch: Path) -> dict:
     return result | {
         "lost": None, "invariants": invariants, "violations": [k for k, ok in invariants.items() if not ok],
         "twin_max_rel": twin, "torch_twin_max_rel": exact, **{k: backend["timings"][k] for k in TIMINGS},
-        "not_rejoined": missing,
+        "not_rejoined": missing, "causes": backend["timings"]["causes"],
         "phases": _phases(events), "chaos": _chaos_events(events),
         "crashes": sum(e["kind"] == "crash" for e in events), "superseded_rows": backend.get("superseded_rows", []),
         "fork_server_deaths": sum(e["kind"] == "fork_server_died" for e in events),
@@ -348,6 +348,20 @@ def _quantiles(values: list[float]) -> dict:
     return {"n": len(v), "p50": float(np.percentile(v, 50)), "p95": float(np.percentile(v, 95)), "max": float(v.max())}
 
 
+def _by_cause(runs: list[dict]) -> dict:
+    """Each timing's quantiles by the death behind it (the chaos kind, or an unplanned death), and how many of them
+    met a stall or a lighthouse outage: what each tail is made of."""
+    found: dict = {}
+    for key in ("kill_to_step_s", "restart_to_rejoin_s"):
+        groups: dict = {}
+        for r in runs:
+            for t, c in zip(r.get(key, []), r.get("causes", {}).get(key, [])):
+                groups.setdefault(c["why"].removeprefix("chaos: "), []).append((t, c["clear"]))
+        found[key] = {why: _quantiles([t for t, _ in v]) | {"not_clear": sum(not c for _, c in v)}
+                      for why, v in sorted(groups.items())}
+    return found
+
+
 def summarise(runs: list[dict]) -> dict:
     families = sorted({r["family"] for r in runs}, key=lambda f: (f != "one-process", f))
     done = [r for r in runs if not r["lost"]]
@@ -373,6 +387,7 @@ def summarise(runs: list[dict]) -> dict:
             "torch_twin_max_rel": max((r["torch_twin_max_rel"] for r in mine if r.get("torch_twin_max_rel") is not None),
                                       default=None),
             "torch_twins": sum(r.get("torch_twin_max_rel") is not None for r in mine),
+            "by_cause": _by_cause(mine),
             "seconds": sum(r.get("seconds", 0) for r in runs if r["family"] == f)}
     return {"families": per_family, "events": kinds,
             "lost": [{"seed": r["schedule"]["seed"], "why": r["lost"]} for r in runs if r["lost"]],

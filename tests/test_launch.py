@@ -54,7 +54,9 @@ def test_merge_joins_the_replicas_rows_into_the_trainers_records(tmp_path):
     # the kill at 10.5 s: the first step without rank 1 committed at 11.0; the restart at 11.5: it trained at 12.0
     assert summary["backend"]["timings"] == {"kill_to_step_s": [pytest.approx(0.5)], "restart_to_rejoin_s": [pytest.approx(0.5)],
                                              "kill_to_step_clear_s": [pytest.approx(0.5)],
-                                             "restart_to_rejoin_clear_s": [pytest.approx(0.5)]}
+                                             "restart_to_rejoin_clear_s": [pytest.approx(0.5)],
+                                             "causes": {"kill_to_step_s": [{"why": "scheduled", "clear": True}],
+                                                        "restart_to_rejoin_s": [{"why": "scheduled", "clear": True}]}}
     assert json.loads((tmp_path / "events.json").read_text())["healed"] == [{"rank": 1, "healed_at_step": 2, "time": 11.8}]
 
 
@@ -204,7 +206,11 @@ def test_restarts_are_judged_within_their_window_and_those_never_back_are_named(
     timings = recovery_times(events, rows, [])
     assert timings == {"kill_to_step_s": [pytest.approx(0.5), pytest.approx(0.5)], "restart_to_rejoin_s": [pytest.approx(1.0)],
                        # the second kill's step waited on a stalled rank, the rejoin on a lighthouse that was down
-                       "kill_to_step_clear_s": [pytest.approx(0.5)], "restart_to_rejoin_clear_s": []}
+                       "kill_to_step_clear_s": [pytest.approx(0.5)], "restart_to_rejoin_clear_s": [],
+                       # each entry's death named: the kill behind a restart is the rank's last one before it
+                       "causes": {"kill_to_step_s": [{"why": "restart after a kill", "clear": True},
+                                                     {"why": "restart after a kill", "clear": False}],
+                                  "restart_to_rejoin_s": [{"why": "restart after a kill", "clear": False}]}}
     assert not_rejoined(events, rows, end=10.0) == [
         {"rank": 2, "restarted_at_step": 6, "seconds_before_end": 4.0, "last_status": "waiting"}]
 

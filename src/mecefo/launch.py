@@ -775,17 +775,27 @@ def recovery_times(events: list, rows: dict, healed: list) -> dict:
     """Seconds from each kill of a training rank (ours, or a death nobody planned, as the launcher saw it) to the next
     committed step (the run's, before any resume), and from each restart to the first committed step the restarted rank took part in
     (each within its window: before the rank's next kill or start, and before the run's next resume). The `_clear`
-    lists keep those whose interval meets no disruption (a stall, the lighthouse down): what recovery itself costs."""
+    lists keep those whose interval meets no disruption (a stall, the lighthouse down): what recovery itself costs.
+    `causes` names, for each entry of the two full lists, the death behind it (the kill's reason, e.g. "chaos:
+    multi_kill", or "unplanned") and whether it was clear: what a tail is made of."""
     committed = [rows[s] for s in sorted(rows) if s > 0]
     to_first_step, to_rejoin, clear = [], [], {"kill_to_step_clear_s": [], "restart_to_rejoin_clear_s": []}
+    causes = {"kill_to_step_s": [], "restart_to_rejoin_s": []}
     spans = disruptions(events)
 
-    def add(to: list, key: str, start: float, end: float) -> None:
+    def add(to: list, key: str, start: float, end: float, why: str) -> None:
         to.append(end - start)
-        if not any(a < end and start < b for a, b in spans):
+        calm = not any(a < end and start < b for a, b in spans)
+        if calm:
             clear[key].append(end - start)
+        causes[key.replace("_clear", "")].append({"why": why, "clear": calm})
+
+    def reason(e: dict) -> str:
+        return e.get("why") or ("unplanned" if e.get("unplanned") else "down")
 
     resumes = [x["time"] for x in events if x["kind"] == "resume"]
+    deaths = [(e["time"], e["rank"], reason(e)) for e in events
+              if e["kind"] == "kill" or (e["kind"] == "down" and e.get("rank") is not None)]
     for e in events:
         if not (e["kind"] == "kill" or (e["kind"] == "down" and e.get("unplanned"))):
             continue
@@ -795,13 +805,14 @@ def recovery_times(events: list, rows: dict, healed: list) -> dict:
         end = min((t for t in resumes if t > e["time"]), default=float("inf"))
         after = [r["backend"]["time"] for r in committed if e["time"] < r["backend"]["time"] < end]
         if after:
-            add(to_first_step, "kill_to_step_clear_s", e["time"], after[0])
+            add(to_first_step, "kill_to_step_clear_s", e["time"], after[0], reason(e))
     for e, end in _windows(events, ("start",)):
         if e["why"] != "initial":
             after = [r["backend"]["time"] for r in committed if e["time"] < r["backend"]["time"] < end and e["rank"] not in r["down"]]
             if after:
-                add(to_rejoin, "restart_to_rejoin_clear_s", e["time"], after[0])
-    return {"kill_to_step_s": to_first_step, "restart_to_rejoin_s": to_rejoin, **clear}
+                why = next((w for t, r, w in reversed(deaths) if r == e["rank"] and t <= e["time"]), e["why"])
+                add(to_rejoin, "restart_to_rejoin_clear_s", e["time"], after[0], why)
+    return {"kill_to_step_s": to_first_step, "restart_to_rejoin_s": to_rejoin, **clear, "causes": causes}
 
 
 def not_rejoined(events: list, rows: dict, end: float) -> list[dict]:
