@@ -361,3 +361,9 @@ def test_members_the_runs_files_say_hold_no_state_are_not_waited_for(tmp_path, m
     assert time.monotonic() - t0 < 1  # not the grace
     assert liveness.await_members("http://lighthouse", members[:4], grace_s=0.2,
                                   gone=lambda m: gone & set(m)) == ["mecefo_3:d"]
+    looks = []  # rank 3 dies while the replica waits: its file says so after the third look; the next ends the wait
+    monkeypatch.setattr(liveness, "read_status", lambda address, timeout_s=1.0: looks.append(1) or fresh)
+    t0 = time.monotonic()
+    assert liveness.await_members("http://lighthouse", members[:4], grace_s=5, gone=lambda m: (
+        gone | ({"mecefo_3:d"} if len(looks) >= 3 else set())) & set(m)) == []
+    assert time.monotonic() - t0 < 1 and len(looks) == 4  # the look after its death, not the grace

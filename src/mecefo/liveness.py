@@ -268,11 +268,14 @@ def await_members(lighthouse: str, members, grace_s: float = REJOIN_GRACE_S, gon
     the lighthouse first answered (or grace_s without an answer). Returns those it never heard from.
     gone(members) -> the members known to hold no state (the run's files say they died, or that a later process of
     their rank is starting): not waited for. Without it, a lone survivor whose peers died as the lighthouse restarted
-    waited the whole grace for them (the chaos harness: 11-15 s without a step)."""
+    waited the whole grace for them (the chaos harness: 11-15 s without a step). gone is asked again at every look: a
+    member that dies while this replica waits (its file turns "down" a poll of the launcher later, or its next process
+    starts) ends the wait then, not at the grace (the chaos harness met an 11.3 s rejoin)."""
     start, first = time.monotonic(), None
-    if gone is not None:
-        members = [m for m in members if m not in gone(list(members))]
+    members = list(members)
     while True:
+        if gone is not None:
+            members = [m for m in members if m not in gone(list(members))]
         status = read_status(lighthouse)
         if status is None:  # down: a quorum cannot form before it is back, and then it must hear from them
             if time.monotonic() - start > grace_s:
