@@ -63,6 +63,22 @@ def _q(q: dict, key: str) -> str:
     return f"{q[key]:.2f}" if q.get("n") else "-"
 
 
+def _tail(runs: list[dict], key: str) -> str:
+    """The entries of one timing above its p95, counted by cause (chaos kind, or an unplanned death) and by whether
+    their interval met a stall or a lighthouse outage."""
+    entries = [(t, c) for r in runs for t, c in zip(r.get(key, []), r.get("causes", {}).get(key, []))]
+    if not entries:
+        return ""
+    p95 = float(np.percentile([t for t, _ in entries], 95))
+    counts: dict = {}
+    for t, c in entries:
+        if t > p95:
+            n = counts.setdefault(c["why"].removeprefix("chaos: "), [0, 0])
+            n[0], n[1] = n[0] + 1, n[1] + (not c["clear"])
+    return ", ".join(f"{k} {n}" + (f" ({bad} not clear)" if bad else "")
+                     for k, (n, bad) in sorted(counts.items(), key=lambda kv: (-kv[1][0], kv[0])))
+
+
 def section(result: dict) -> str:
     """The README's real-failures figures, every number read from the result."""
     s, targets = result["summary"], result["targets"]
@@ -93,10 +109,23 @@ def section(result: dict) -> str:
             met.append(f"{what} p95 {p95:.2f} s against {target:g} s ({family}): " + ("met" if p95 <= target else "NOT met")
                        + ("" if clear is None else f", clear of stalls and outages {clear:.2f} s: "
                           + ("met" if clear <= target else "NOT met")))
+    tails = []
+    for family in s["families"]:
+        mine = [r for r in result.get("runs", []) if r["family"] == family and not r["lost"]]
+        for what, key in (("kill -> next step", "kill_to_step_s"), ("restart -> rejoin", "restart_to_rejoin_s")):
+            tail = _tail(mine, key)
+            if tail:
+                tails.append(f"{what} ({family}): {tail}")
+    waiting = "; ".join(f"{family} p50 {_q(f['restart_to_waiting_s'], 'p50')} / p95 {_q(f['restart_to_waiting_s'], 'p95')} s"
+                        for family, f in s["families"].items() if f.get("restart_to_waiting_s", {}).get("n"))
     events = ", ".join(f"{k} {v.get('fired', 0)}" + (f" (+{v['expired']} expired)" if v.get("expired") else "")
                        for k, v in sorted(s["events"].items()))
     lines += ["", "Targets: " + "; ".join(met) + ". (*Clear*: the intervals that met no stalled rank, which holds every "
-              "synchronous step, and no lighthouse outage, in which no quorum forms.)", "", f"Events fired over all schedules: {events}.", "",
+              "synchronous step, and no lighthouse outage, in which no quorum forms.)", "",
+              "What each tail is made of (the entries above the p95, by the death behind them; *not clear*: the interval "
+              "met a stall or a lighthouse outage): " + "; ".join(tails) + ".", "",
+              f"From a restart until the replica waits for a live peer (its process forked, its model built): {waiting}.", "",
+              f"Events fired over all schedules: {events}.", "",
               f"The twins replay each run's `failed_steps.json` within relative {result['twin_rtol']:g}: the local backend "
               "(its batched sums differ in order from an all-reduce's), and, on every "
               f"{result.get('exact_every', 5)}th schedule and wherever the local twin is beyond that, the torch backend "

@@ -210,7 +210,8 @@ def test_the_summary_and_the_readme_block_count_what_the_runs_say():
     from experiments.chaos import TARGETS, summarise
     from paper_figures.chaos import section
 
-    runs = [_run(0, twin_max_rel=3e-5, superseded_rows=[{"rank": 0, "step": 15}]),
+    slow = {"kill_to_step_s": [{"why": "chaos: kill", "clear": True}, {"why": "chaos: multi_kill", "clear": False}]}
+    runs = [_run(0, twin_max_rel=3e-5, superseded_rows=[{"rank": 0, "step": 15}], causes=slow),
             _run(1, violations=["once"], twin_max_rel=None, restart_to_rejoin_s=[], kill_to_step_s=[]),
             {"schedule": {"seed": 2}, "family": "one-process", "lost": "not finished within 300 s"},
             _run(1000, family="groups of 2", torch_twin_max_rel=2e-7)]
@@ -220,7 +221,9 @@ def test_the_summary_and_the_readme_block_count_what_the_runs_say():
     assert one["twin_max_rel"] == 3e-5 and one["torch_twins"] == 0 and groups["torch_twin_max_rel"] == 2e-7
     assert one["restart_to_rejoin_s"]["n"] == 2 and s["violated"] == [{"seed": 1, "violations": ["once"]}]
     text = section({"summary": s, "targets": TARGETS, "profile": "default", "git_commit": "0" * 40, "hold_s": 0.3,
-                    "twin_rtol": 1e-4, "exact_every": 5})
+                    "twin_rtol": 1e-4, "exact_every": 5, "runs": runs})
+    # one-process kill -> step: 1.0 (a kill) and 2.0 (a kill that met a stall): above the p95 (1.95), the latter alone
+    assert "kill -> next step (one-process): multi_kill 1 (1 not clear)" in text
     assert "| one-process | 3 | 1 | 1 | 0 |" in text and "seed 2: not finished within 300 s" in text
     assert "superseded by the version its peers redid: 1 (one-process), 0 (groups of 2)" in text
 

@@ -35,3 +35,25 @@ def test_a_forked_replica_is_the_launchers_child_runs_its_command_line_and_a_dea
         assert server.spawn(argv, {}, str(log)) is None and not server.is_ready()
     finally:
         server.stop()
+
+
+def test_a_fork_that_looks_for_its_adoption_after_the_middle_process_is_gone_goes_on_at_once(tmp_path):
+    """The middle process of the double fork exits as soon as it has the replica's pid; a replica scheduled after that
+    (a busy node) was already adopted when it took its parent's pid as the middle's, and then waited for a change of
+    parent until the 10 s deadline (the chaos harness: groups of 2 whose second process reached 'waiting' 10.2 s after
+    the first; 1 restart in 8 of a scripted group run). Injected: every fork sleeps 0.3 s first."""
+    import time
+
+    from mecefo.processes import FAULT_LATE_ADOPTION, ForkServer, become_subreaper
+
+    assert become_subreaper()
+    server = ForkServer(tmp_path, subprocess_env(**{FAULT_LATE_ADOPTION: "0.3"}), tmp_path / "fork-server.log")
+    try:
+        assert server.is_ready(wait_s=120), (tmp_path / "fork-server.log").read_text()
+        argv = ["--out", str(tmp_path), "--replica", "0", "--lighthouse", "http://127.0.0.1:1"]
+        t0 = time.monotonic()
+        proc = server.spawn(argv, {}, str(tmp_path / "r0.log"))
+        assert proc is not None and proc.wait(timeout=60) == 2  # bad input (no config.json): it did run
+        assert time.monotonic() - t0 < 5  # (was 10.3 s: the adoption deadline)
+    finally:
+        server.stop()

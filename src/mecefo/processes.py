@@ -45,6 +45,7 @@ def group_store(host: str, bind: str):
 # CUDA_VISIBLE_DEVICES once, and CUDA does not survive a fork).
 
 PR_SET_CHILD_SUBREAPER = 36
+FAULT_LATE_ADOPTION = "MECEFO_FORK_FAULT_LATE_ADOPTION"  # SECONDS: a fork sleeps this long before it waits to be adopted
 PR_SET_NAME = 15
 
 
@@ -179,10 +180,13 @@ def serve() -> int:
         middle = os.fork()
         if middle == 0:
             os.close(read)
-            replica = os.fork()
+            me = os.getpid()  # (not the replica's getppid(): the middle may have exited, and the replica been
+            replica = os.fork()  # adopted, before it asks; it then waited the whole adoption deadline, 10 s)
             if replica == 0:
                 os.close(write)
-                _become(job, launcher, os.getppid())
+                if os.environ.get(FAULT_LATE_ADOPTION):  # (tests: the middle is gone before the replica looks)
+                    time.sleep(float(os.environ[FAULT_LATE_ADOPTION]))
+                _become(job, launcher, me)
             os.write(write, f"{replica}\n".encode())
             os._exit(0)
         os.close(write)
