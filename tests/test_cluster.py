@@ -269,4 +269,6 @@ def test_grad_rel_error_is_zero_for_an_exact_policy_and_positive_for_mecefo(tmp_
         assert all(r["grad_rel_error"] is None for r in rows if not r["failed"])
         errors[policy] = [r["grad_rel_error"] for r in rows if r["failed"]]
     assert len(errors["ndb-exact"]) == 4 and max(errors["ndb-exact"]) < 1e-5
-    assert len(errors["mecefo"]) == 4 and all(0.01 < e < 2 for e in errors["mecefo"])
+    # measured 0.12-0.39 here (deterministic on CPU); Assumption 3 needs the error below a constant delta < 1, and
+    # the paper measures it below 0.6 on LLaMA-1B: an error at 0.6 or above, or near 0, is a changed technique
+    assert len(errors["mecefo"]) == 4 and all(0.06 < e < 0.6 for e in errors["mecefo"])

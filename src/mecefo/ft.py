@@ -770,10 +770,18 @@ def replica(cfg, out: Path, rank: int, lighthouse: str, min_step_s: float, wait_
         training.cluster.close()
 
 
+def _forked(argv: list[str]) -> int:
+    """main, in a replica process forked by the fork server (mecefo.processes.serve): a life of its own (the
+    merge tells lives apart; the fork inherited the server's)."""
+    global LIFE
+    LIFE = uuid.uuid4().hex[:12]
+    return main(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--fork-server" in argv:  # mecefo.launch's: every replica process a fork of this one (mecefo.processes)
-        return serve()
+        return serve(_forked)
     parser = argparse.ArgumentParser(prog="python -m mecefo.ft", description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--out", required=True)
     parser.add_argument("--replica", type=int, required=True)

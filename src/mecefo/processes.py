@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
+from collections.abc import Callable
 
 
 def die_with_parent() -> None:
@@ -160,17 +160,18 @@ class ForkServer:
         self.proc.wait()
 
 
-def serve() -> int:
+def serve(entry: Callable[[list[str]], int]) -> int:
     """The fork server itself: imports what a replica needs, says "ready", then forks a replica per job line until
     its input ends. Each job is forked twice (the middle process exits at once), so that the replica is reparented
     to the launcher, its subreaper, before the pid is answered; the replica then takes its own session, dies with
-    the launcher, writes to its log and runs `python -m mecefo.ft ARGV` with the job's environment."""
+    the launcher, writes to its log and returns `entry(ARGV)` as its exit status, with the job's environment
+    (entry: mecefo.ft's, which calls this; so this module imports no replica code of its own)."""
     import torch._dynamo  # noqa: F401  (what torch.optim's first optimizer imports, ~1 s)
     import torch.distributed.checkpoint.state_dict  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401
     import torchft  # noqa: F401
 
-    from . import ft, train  # noqa: F401
+    from . import train  # noqa: F401
 
     launcher = os.getppid()
     os.write(1, b"ready\n")
@@ -186,7 +187,7 @@ def serve() -> int:
                 os.close(write)
                 if os.environ.get(FAULT_LATE_ADOPTION):  # (tests: the middle is gone before the replica looks)
                     time.sleep(float(os.environ[FAULT_LATE_ADOPTION]))
-                _become(job, launcher, me)
+                _become(job, launcher, me, entry)
             os.write(write, f"{replica}\n".encode())
             os._exit(0)
         os.close(write)
@@ -197,7 +198,7 @@ def serve() -> int:
     return 0
 
 
-def _become(job: dict, launcher: int, middle: int) -> None:
+def _become(job: dict, launcher: int, middle: int, entry: Callable[[list[str]], int]) -> None:
     """In a forked replica: wait to be adopted by the launcher, then run the replica's command line (never returns)."""
     code = 1
     try:
@@ -216,14 +217,11 @@ def _become(job: dict, launcher: int, middle: int) -> None:
         os.close(log)
         os.close(null)
         os.environ.update(job["env"])
-        from . import ft
-
-        ft.LIFE = uuid.uuid4().hex[:12]  # a process of its own (the merge tells lives apart)
         rank = job["argv"][job["argv"].index("--replica") + 1] if "--replica" in job["argv"] else "?"
         within = f".{os.environ.get('RANK', '0')}" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
         _prctl(PR_SET_NAME, f"mecefo-r{rank}{within}".encode())  # (ps -o comm, top: its command line is the server's)
-        code = ft.main(job["argv"])
-    except BaseException:  # (ft.main turns its own errors into exit statuses: this is a fault of the fork's set-up)
+        code = entry(job["argv"])
+    except BaseException:  # (the entry turns its own errors into exit statuses: this is a fault of the fork's set-up)
         import traceback
 
         traceback.print_exc()
