@@ -167,12 +167,20 @@ def effective(throughput: dict, measured: dict) -> dict:
 
 def leaders(cells: dict) -> dict:
     """The policy of highest G; the runner-up and how far ahead; `leads`: the low end of its range above the
-    high end of every other policy's (else `tied`: those whose ranges reach the leader's low end)."""
+    high end of every other policy's (else `tied`: those whose ranges reach the leader's low end). A bound that is
+    missing (one seed: no interval) is unbounded: such a policy ties with the leader, and as the leader it leads
+    nothing (`unbounded` names them)."""
     ranked = sorted((p for p in cells if "goodput" in cells[p]), key=lambda p: -cells[p]["goodput"])
     best, second = ranked[0], ranked[1]
-    tied = [p for p in ranked[1:] if cells[p]["goodput_range"][1] >= cells[best]["goodput_range"][0]]
+
+    def bounds(p: str) -> tuple[float, float]:
+        lo, hi = cells[p]["goodput_range"]
+        return (lo if math.isfinite(lo) else -math.inf), (hi if math.isfinite(hi) else math.inf)
+
+    tied = [p for p in ranked[1:] if bounds(p)[1] >= bounds(best)[0]]
     return {"best": best, "second": second, "ahead": cells[best]["goodput"] / cells[second]["goodput"] - 1,
-            "leads": not tied, "tied": tied, "not_measured": [p for p in cells if "goodput" not in cells[p]]}
+            "leads": not tied, "tied": tied, "not_measured": [p for p in cells if "goodput" not in cells[p]],
+            "unbounded": [p for p in ranked if not all(map(math.isfinite, cells[p]["goodput_range"]))]}
 
 
 def winners(eff: dict) -> dict:

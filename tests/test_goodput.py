@@ -129,3 +129,19 @@ def test_q_at_scale_is_interpolated_in_the_failed_fraction():
     assert out["q"]["mecefo"]["mean"] == pytest.approx(1 - 0.2 * f / 0.02)  # between failure-free and low
     assert out["sizes"]["32"]["policies"]["mecefo"]["goodput"] == pytest.approx(0.9 * out["q"]["mecefo"]["mean"])
     assert "drop" not in out["q"]  # not measured at every level
+
+
+def test_a_policy_leads_only_where_every_range_is_bounded_and_below_its_own():
+    """One seed gives no interval (ci95's NaN): such a range is unbounded, so it never lets a policy lead, nor leads
+    itself (the old comparison with NaN was always False: a single-seed cell printed 'leads')."""
+    nan = float("nan")
+    cells = {"a": {"goodput": 0.9, "goodput_range": [0.85, 0.95]}, "b": {"goodput": 0.7, "goodput_range": [0.65, 0.75]},
+             "c": {}}
+    w = goodput.leaders(cells)
+    assert (w["best"], w["second"], w["leads"], w["tied"], w["not_measured"]) == ("a", "b", True, [], ["c"])
+    cells["b"]["goodput_range"] = [nan, nan]  # the runner-up from one seed
+    w = goodput.leaders(cells)
+    assert (w["leads"], w["tied"], w.get("unbounded")) == (False, ["b"], ["b"])
+    cells["b"]["goodput_range"], cells["a"]["goodput_range"] = [0.65, 0.75], [nan, nan]  # the leader from one seed
+    w = goodput.leaders(cells)
+    assert (w["leads"], w["tied"], w.get("unbounded")) == (False, ["b"], ["a"])
