@@ -203,7 +203,9 @@ def at_scale(throughput: dict, measured: dict, base_cfg) -> dict:
             points = sorted((measured[policy][lv]["failed_fraction"], measured[policy][lv]["q"]) for lv in LEVELS)
             xs = [0.0] + [x for x, _ in points]
             q[policy] = {"mean": float(np.interp(fraction, xs, [1.0] + [v["mean"] for _, v in points])),
-                         "ci95": [float(np.interp(fraction, xs, [1.0] + [v["ci95"][i] for _, v in points])) for i in (0, 1)]}
+                         "ci95": [float(np.interp(fraction, xs, [1.0] + [v["ci95"][i] for _, v in points])) for i in (0, 1)],
+                         # beyond the largest measured failed fraction np.interp holds the last q: not a measurement
+                         "clamped_at": xs[-1] if fraction > xs[-1] else None}
     # the scaling experiment's ratios are against each policy's own failure-free run: put them on the failure-free
     # job's (REFERENCE's) with each policy's failure-free overhead in Table 2's 7B job (e.g. Bamboo's redundancy)
     own = throughput["table2"]["llama-7b"]["none"]

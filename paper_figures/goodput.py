@@ -153,7 +153,11 @@ def scale_answer(scale: dict) -> str:
         said.append(f"{int(size):,}: `{w['best']}` {_pct(cells[w['best']]['goodput'])}"
                     + ("" if w["leads"] else f" (tied with {', '.join(f'`{t}`' for t in w['tied'])})")
                     + f", `mecefo` {_pct(cells['mecefo']['goodput'])}")
-    return "Highest goodput at each size: " + "; ".join(said) + "."
+    clamped = {p: q["clamped_at"] for p, q in scale["q"].items() if q.get("clamped_at") is not None}
+    held = ("" if not clamped else f" The run's failed fraction, {100 * scale['run_failed_fraction']:.1f}%, is beyond "
+            "the largest measured for " + ", ".join(f"`{p}` ({100 * f:.1f}%)" for p, f in clamped.items())
+            + ": their q is held at that fraction's, so their G here is not a measurement.")
+    return "Highest goodput at each size: " + "; ".join(said) + "." + held
 
 
 def report(result: dict) -> tuple[str, str]:

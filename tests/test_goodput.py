@@ -129,6 +129,18 @@ def test_q_at_scale_is_interpolated_in_the_failed_fraction():
     assert out["q"]["mecefo"]["mean"] == pytest.approx(1 - 0.2 * f / 0.02)  # between failure-free and low
     assert out["sizes"]["32"]["policies"]["mecefo"]["goodput"] == pytest.approx(0.9 * out["q"]["mecefo"]["mean"])
     assert "drop" not in out["q"]  # not measured at every level
+    assert out["q"]["mecefo"]["clamped_at"] is None and "is beyond" not in figure_scale_answer(out)
+    Cfg.cluster.failure_free_steps, throughput["scaling"]["scenario"]["recovery_h"] = 0, 48.0 * 32 * 0.2  # 20% failed
+    out = goodput.at_scale(throughput, _measured(["mecefo"], 0.8), Cfg)
+    assert out["run_failed_fraction"] > 0.1 and out["q"]["mecefo"]["clamped_at"] == 0.1  # beyond the measured high
+    assert out["q"]["mecefo"]["mean"] == pytest.approx(0.8)
+    assert "is beyond the largest measured for `mecefo` (10.0%): their q is held" in figure_scale_answer(out)
+
+
+def figure_scale_answer(scale: dict) -> str:
+    from paper_figures import goodput as figure
+
+    return figure.scale_answer(scale)
 
 
 def test_a_policy_leads_only_where_every_range_is_bounded_and_below_its_own():
