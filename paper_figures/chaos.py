@@ -63,15 +63,13 @@ def _q(q: dict, key: str) -> str:
     return f"{q[key]:.2f}" if q.get("n") else "-"
 
 
-def _tail(runs: list[dict], key: str) -> str:
-    """The entries of one timing above its p95, counted by cause (chaos kind, or an unplanned death) and by whether
-    their interval met a stall or a lighthouse outage."""
-    entries = [(t, c) for r in runs for t, c in zip(r.get(key, []), r.get("causes", {}).get(key, []))]
-    if not entries:
+def _tail(runs: list[dict], key: str, p95: float | None) -> str:
+    """The entries of one timing above its p95 (the summary's, over the same runs), counted by cause (chaos kind, or
+    an unplanned death) and by whether their interval met a stall or a lighthouse outage."""
+    if p95 is None:
         return ""
-    p95 = float(np.percentile([t for t, _ in entries], 95))
     counts: dict = {}
-    for t, c in entries:
+    for t, c in ((t, c) for r in runs for t, c in zip(r.get(key, []), r.get("causes", {}).get(key, []))):
         if t > p95:
             n = counts.setdefault(c["why"].removeprefix("chaos: "), [0, 0])
             n[0], n[1] = n[0] + 1, n[1] + (not c["clear"])
@@ -113,7 +111,7 @@ def section(result: dict) -> str:
     for family in s["families"]:
         mine = [r for r in result.get("runs", []) if r["family"] == family and not r["lost"]]
         for what, key in (("kill -> next step", "kill_to_step_s"), ("restart -> rejoin", "restart_to_rejoin_s")):
-            tail = _tail(mine, key)
+            tail = _tail(mine, key, s["families"][family][key].get("p95"))
             if tail:
                 tails.append(f"{what} ({family}): {tail}")
     waiting = "; ".join(f"{family} p50 {_q(f['restart_to_waiting_s'], 'p50')} / p95 {_q(f['restart_to_waiting_s'], 'p95')} s"
