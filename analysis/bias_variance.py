@@ -29,7 +29,7 @@ from mecefo.errors import guarded
 from mecefo.results import load_config, measurement, quick_flag, reusable, run_dir, sources_digest
 
 SOURCES = ("analysis/bias_variance.py", "src/mecefo")  # the code a measurement depends on: reused only if unchanged
-from mecefo.cluster import LocalCluster
+from mecefo.engine import Batched
 from mecefo.policies import plan_step
 from mecefo.data import TokenData
 from mecefo.failures import SCENARIOS
@@ -59,8 +59,8 @@ class GradientSampler:
 
     def draw(self, policy: str, failed: frozenset[int], address: int, techniques: Techniques, r: float) -> np.ndarray:
         lowrank = LowRankWgrad(r=r, tau=10**9, svd="exact")
-        cluster = LocalCluster(self.model, self.data, self.cfg.train.seed, torch.device("cpu"), lowrank, nullcontext,
-                               n_ranks=self.n)
+        cluster = Batched(self.model, self.data, self.cfg.train.seed, torch.device("cpu"), lowrank, nullcontext,
+                          n_ranks=self.n)
         plan = plan_step(policy, address, failed, self.n, 1, self.cfg.data.micro_batch_size, techniques)
         cluster.prepare(plan)
         cluster.step(plan)

@@ -1,7 +1,8 @@
 """Benchmark: tokens/s of our training step against a plain reference implementation of the same
 architecture and shapes, written here from nn.Linear and F.scaled_dot_product_attention and nothing else.
-Ours runs the full path of `python -m mecefo.train --ranks 1 --failures none --policy mecefo` (step plan,
-cluster step with the neighbour hooks in place, aggregation, clipping, AdamW): it must cost nothing extra
+Ours is the trainer's own step (mecefo.train.Run.step of `--ranks 1 --failures none --policy mecefo`: step
+plan, the engine's step with the neighbour hooks in place, aggregation, clipping, the membership's commit,
+AdamW, the metrics row) on the benchmark's batch, injected as the run's data: it must cost nothing extra
 while no failure is active.
 
     python -m experiments.bench_train [--quick] [--preset tiny] [--rounds 7] [--steps 10]
@@ -16,7 +17,6 @@ Writes results/bench/train-<preset>.json.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import sys
 import time
@@ -25,12 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mecefo.cluster import LocalCluster
-from mecefo.policies import plan_step
-from mecefo.model import GPT, ModelConfig, preset
-from mecefo.neighbour import LowRankWgrad
+from mecefo import config as config_mod
+from mecefo.model import ModelConfig, preset
 from mecefo.records import atomic_write_json, git_commit, package_versions
-from mecefo.train import apply_update, clip_gradients
+from mecefo.train import Run
 
 from .common import RESULTS, guarded
 
@@ -76,7 +74,7 @@ class PlainGPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
 
     @torch.no_grad()
-    def copy_from(self, ours: GPT) -> None:
+    def copy_from(self, ours) -> None:
         self.emb.weight.copy_(ours.embedding.weight)
         self.head.weight.copy_(ours.lm_head.weight)
         for i, blk in enumerate(ours.layers):
@@ -91,24 +89,31 @@ class PlainGPT(nn.Module):
 
 
 class FixedBatch:
-    """Stands in for TokenData: every (step, rank, micro) address gets the same batch."""
+    """The benchmark's one batch as the run's data (every step, every rank)."""
 
-    def __init__(self, x, y):
-        self.x, self.y = x.numpy(), y.numpy()
+    splits = ("val",)
+
+    def __init__(self, x, y, vocab_size: int):
+        self.x, self.y, self.vocab_size = x.numpy(), y.numpy(), vocab_size
 
     def micro_batch(self, seed, step, rank=0, micro=0, n_ranks=1):
         return self.x, self.y
 
 
-def our_step(cluster, model, opt, step):
-    """What mecefo.train does per step with --ranks 1 --failures none: plan, cluster step, update."""
-    plan = plan_step("mecefo", step, frozenset(), 1, 1, cluster.data.x.shape[0])
-    cluster.prepare(plan)
-    result = cluster.step(plan)
-    clip_gradients(model, 1.0)
-    apply_update(opt, 1e-3)
-    model.zero_grad(set_to_none=True)
-    return result.loss
+def trainer(preset_name: str, batch: FixedBatch, seq_len: int, lr: float, clip: float) -> Run:
+    """The trainer of `--ranks 1 --failures none --policy mecefo` on the batch: AdamW at a constant lr (no
+    warm-up, no decay), no weight decay, clipping at `clip`; nothing is written (no step is recorded)."""
+    cfg = config_mod.load(None, {"preset": preset_name, "seq_len": str(seq_len), "micro_batch_size": str(len(batch.x)),
+                                 "ranks": "1", "failures": "none", "policy": "mecefo", "lr": str(lr),
+                                 "warmup_steps": "0", "min_lr_ratio": "1.0", "weight_decay": "0.0", "beta2": "0.95",
+                                 "grad_clip": str(clip), "device": "cpu", "precision": "fp32"})
+    return Run(cfg, RESULTS / "bench" / "unused", torch.device("cpu"), quiet=True, data=batch)
+
+
+def our_step(training: Run, step: int) -> float:
+    """The trainer's step (mecefo.train.Run.step) with no rank down."""
+    row, _ = training.step(step, frozenset())
+    return row["loss"]
 
 
 def plain_step(model, opt, x, y, clip):
@@ -134,20 +139,19 @@ def main(argv: list[str] | None = None) -> int:
         args.rounds, args.steps = 6, 5
     torch.manual_seed(0)
     cfg = preset(args.preset, vocab_size=args.vocab_size)
-    ours = GPT(cfg)
-    ref = PlainGPT(cfg)
-    ref.copy_from(ours)
-    opt_kw = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, foreach=True)
-    opt_ours, opt_ref = torch.optim.AdamW(ours.parameters(), **opt_kw), torch.optim.AdamW(ref.parameters(), **opt_kw)
     x = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len))
     y = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len))
-    cluster = LocalCluster(ours, FixedBatch(x, y), 0, torch.device("cpu"), LowRankWgrad(), contextlib.nullcontext)
-    first = (our_step(cluster, ours, opt_ours, 0), plain_step(ref, opt_ref, x, y, 1.0))
+    training = trainer(args.preset, FixedBatch(x, y, args.vocab_size), args.seq_len, lr=1e-3, clip=1.0)
+    ours = training.model
+    ref = PlainGPT(cfg)
+    ref.copy_from(ours)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, foreach=True)
+    first = (our_step(training, 0), plain_step(ref, opt_ref, x, y, 1.0))
     tokens = args.batch_size * args.seq_len * args.steps
     def time_ours():
         t = time.perf_counter()
         for i in range(args.steps):
-            our_step(cluster, ours, opt_ours, i)
+            our_step(training, i)
         return time.perf_counter() - t
 
     def time_ref():

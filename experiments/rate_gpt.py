@@ -92,7 +92,7 @@ def reference(quick: bool) -> tuple[Path, list[dict]]:
     training.start(resume=False)
     marks, curve = {steps >> k for k in range(6)}, []
     for step in range(steps):
-        row, _ = training.step(step)
+        row, _ = training.step(step, training.schedule.failed[step])
         training.record(row)
         if step + 1 in marks:
             curve.append({"step": step + 1, "train_loss": row["loss"], "val_loss": training.evaluate("val"),
@@ -150,7 +150,7 @@ def one_run(policy: str, n: int, steps: int, seed: int, start: Path, c: float = 
         if step in points:
             estimates.append(held_out_gradient_sq(training.model, training.data))
         if step < steps:
-            row, plan = training.step(step)
+            row, plan = training.step(step, training.schedule.failed[step])
             training.record(row)
             failed_steps += bool(plan.failed)
     training.metrics.close()

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from experiments.common import CONFIGS, ROOT
 from mecefo import checkpoint
 from mecefo import config as config_mod
-from mecefo.cluster import LocalCluster
+from mecefo.engine import Batched
 from mecefo.model import group_of
 from mecefo.plan import assign_neighbours, rank_flops
 from mecefo.policies import plan_step, trainer_policies
@@ -93,7 +93,7 @@ def _cluster(nano_data, n):
     torch.manual_seed(0)
     model = GPT(preset("nano", vocab_size=512)).double()
     lowrank = LowRankWgrad(r=4)
-    return LocalCluster(model, nano_data, 0, torch.device("cpu"), lowrank, nullcontext, n_ranks=n), model, lowrank
+    return Batched(model, nano_data, 0, torch.device("cpu"), lowrank, nullcontext, n_ranks=n), model, lowrank
 
 
 def test_local_aggregation_matches_an_independent_computation(nano_data):
@@ -128,7 +128,7 @@ def test_failure_free_local_aggregation_equals_ddp(nano_data, tmp_path):
     data = TokenData(DataConfig(vocab_size=512, seq_len=64, micro_batch_size=4))
     torch.manual_seed(0)
     model = GPT(preset("nano", vocab_size=data.vocab_size))
-    cluster = LocalCluster(model, data, 0, torch.device("cpu"), LowRankWgrad(), nullcontext, n_ranks=2)
+    cluster = Batched(model, data, 0, torch.device("cpu"), LowRankWgrad(), nullcontext, n_ranks=2)
     cluster.step(plan_step("mecefo", 0, frozenset(), 2, 1, 4))
     for name, p in model.named_parameters():
         assert torch.allclose(p.grad, ddp[name], atol=1e-6, rtol=1e-5), name
@@ -232,7 +232,7 @@ def test_bad_trace_exits_2_with_the_line_number(tmp_path, capsys):
 
 @pytest.mark.parametrize("policy", ["mecefo", "spread-mecefo", "drop"])
 def test_batched_pieces_give_the_per_piece_gradients(policy):
-    """LocalCluster runs the pieces sharing (micro-batch, techniques) as one batch; the gradients equal
+    """Batched runs the pieces sharing (micro-batch, techniques) as one batch; the gradients equal
     running every piece on its own (double precision), with failures and several micro-batches."""
     data = TokenData(DataConfig(vocab_size=512, seq_len=32, micro_batch_size=4, grad_accum=2))
     cluster, model, lowrank = _cluster(data, 6)

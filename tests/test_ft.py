@@ -109,12 +109,12 @@ def test_fsdp_replica_groups_survive_a_process_kill_and_a_group_kill_and_equal_t
 
 @given(st.integers(1, 8), st.integers(0, 7), st.integers(1, 8), st.integers(1, 5))
 def test_a_groups_shares_of_a_piece_partition_its_rows_and_its_weight(batch, start, rows, k):
-    from mecefo.ft import rows_of
+    from mecefo.engine import row_share
     from mecefo.plan import Piece
 
     start = min(start, batch - 1)
     piece = Piece(2, 1, start, min(batch, start + rows), batch)
-    shares = [rows_of(piece, j, k) for j in range(k)]
+    shares = [row_share(piece, j, k) for j in range(k)]
     covered = [i for s in shares if s is not None for i in range(s.start, s.stop)]
     assert covered == list(range(piece.start, piece.stop))  # in order, each row once
     assert sum(s.weight for s in shares if s is not None) == pytest.approx(piece.weight)

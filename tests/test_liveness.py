@@ -343,15 +343,17 @@ def test_members_the_runs_files_say_hold_no_state_are_not_waited_for(tmp_path, m
     """A lone survivor whose peers died as the lighthouse restarted: rank 1's file says "down" (the launcher saw it
     die), rank 2's that its next process is starting; rank 3 last said it trained a step (stalled, or alive behind a
     slow reconnect) and is waited for; this replica's own rank is never judged by its file."""
-    from mecefo.ft import FtCluster
+    from mecefo.ft import FtMembership, ReplicaFiles
 
     (tmp_path / "rank1.status").write_text("down 1.0\n")
     (tmp_path / "rank2.status").write_text("starting 1.0\n")
     (tmp_path / "rank3.status").write_text("step 12 1.0\n")
     (tmp_path / "rank0.status").write_text("down 1.0\n")
-    cluster = type("Replica", (), {"replicas": tmp_path, "rank": 0, "GONE": FtCluster.GONE})()
+    files = ReplicaFiles.__new__(ReplicaFiles)
+    files.replicas = tmp_path
+    replica = type("Replica", (), {"replica_files": files, "rank": 0, "GONE": FtMembership.GONE})()
     members = ["mecefo_0:a", "mecefo_1:b", "mecefo_2:c", "mecefo_3:d", "mecefo_4:e"]  # (rank 4: no file yet)
-    gone = FtCluster.members_gone(cluster, members)
+    gone = FtMembership.members_gone(replica, members)
     assert gone == {"mecefo_1:b", "mecefo_2:c"}
     fresh = liveness.Status({"mecefo_0:a": 0.0}, frozenset(), 0, None, None)
     monkeypatch.setattr(liveness, "read_status", lambda address, timeout_s=1.0: fresh)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mecefo import checkpoint
-from mecefo.cluster import LocalCluster
+from mecefo.engine import Batched
 from mecefo.model import group_of
 from mecefo.policies import trainer_policies
 from mecefo.model import GPT, preset
@@ -207,7 +207,7 @@ def test_float_options_must_be_finite(tmp_path, capsys, option, value):
 
 
 def test_a_non_finite_loss_stops_the_run_naming_the_step_and_keeps_the_checkpoint(tmp_path, capsys, monkeypatch):
-    step = LocalCluster.step
+    step = Batched.step
 
     def poisoned(self, plan):
         result = step(self, plan)
@@ -215,7 +215,7 @@ def test_a_non_finite_loss_stops_the_run_naming_the_step_and_keeps_the_checkpoin
             result.loss = float("nan")
         return result
 
-    monkeypatch.setattr(LocalCluster, "step", poisoned)
+    monkeypatch.setattr(Batched, "step", poisoned)
     out = tmp_path / "o"
     args = NANO + ["--steps", "10", "--checkpoint_every", "2", "--ranks", "2", "--out", str(out)]
     assert main(args) == 3

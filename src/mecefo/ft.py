@@ -1,6 +1,6 @@
 """The torchft backend: each data-parallel rank a replica group under torchft's Manager, surviving real
-process deaths: one process holding the whole model (FtCluster), or with --shard fsdp a group of processes
-sharding it with FSDP2 (FtShardedCluster). Started by `python -m mecefo.launch`, which also runs the
+process deaths: one process holding the whole model, or with --shard fsdp a group of processes
+sharding it with FSDP2 (mecefo.engine.Sharded over the group). Started by `python -m mecefo.launch`, which also runs the
 lighthouse and kills and restarts replicas, or by hand (multi-node; torchrun for a group).
 
 Each step, on every live replica:
@@ -15,8 +15,9 @@ Each step, on every live replica:
   5. torchft's should_commit: the optimizer steps only if every participant finished the step; if one
      died during it, nothing is applied and the step is redone with the next quorum (no step is lost or
      applied twice).
-The loop is mecefo.train.Run's, as on every backend; this module is the backend (FtCluster: the hooks of
-mecefo.cluster.Backend answered by torchft) and the replica's entry point. Rows of committed steps go to
+The loop is mecefo.train.Run's and the computation mecefo.engine's, as on every backend; this module is
+torchft's membership (FtMembership: steps 1, 2 and 5, the heals, and the exchange's all-reduce), the
+replica's files (ReplicaFiles) and the replica's entry point. Rows of committed steps go to
 OUT/replicas/rank<r>.jsonl (the trainer's rows; the replica and the wall time under "backend"), heals to
 rank<r>.heals.jsonl, the replica's summary to rank<r>.summary.json (the launcher merges them), a status
 file says what the replica is doing, and the lowest live rank evaluates and writes OUT/checkpoint.pt on
@@ -43,12 +44,13 @@ from pathlib import Path
 import torch
 
 from . import config as config_mod
-from .cluster import Backend, StepResult
-from .errors import TrainingStopped, UsageError, guarded
 from . import liveness
-from .plan import Piece, StepPlan
+from .errors import TrainingStopped, UsageError, guarded
+from .membership import COMMIT, REDO, STOP, Quorum, Static
+from .plan import StepPlan
 from .processes import die_with_parent, group_store, serve
 from .records import atomic_write_text, repair_tail
+from .runfiles import RunFiles
 
 HEAL_DELAY_ENV = "MECEFO_FT_HEAL_DELAY_S"  # tests: hold a process's first healing so that it can be killed then
 # Faults the tests inject, by environment variable, into a replica's first life (not into a restarted one):
@@ -78,42 +80,117 @@ CHECKPOINT_S = float(os.environ.get("MECEFO_FT_CHECKPOINT_S", "3600"))  # a grou
 QUORUM_RETRIES = max(0, int(TIMEOUT_S * 10) - 1)
 
 
-@dataclass
-class FtCluster(Backend):
-    """This replica of a torchft run: computes its pieces, all-reduces through torchft's Manager (which
-    tracks the peers' errors), takes its failed set from the quorum and commits with should_commit."""
+class ReplicaFiles(RunFiles):
+    """One replica's files (its group's rank 0 writes them): OUT/replicas/rank<r>.jsonl (the trainer's rows of
+    committed steps), rank<r>.heals.jsonl, rank<r>.summary.json (the launcher merges them) and rank<r>.status
+    (what the replica is doing, with the time: the launcher's and the peers' view of it). The lowest live rank
+    writes OUT/checkpoint.pt; a group's other processes wait for its write."""
 
-    run_dir: Path | None = None  # the run folder (mecefo.launch's)
-    lighthouse: str = ""  # the lighthouse's address
-    min_step_s: float = 0.0  # pace steps to at least this long (so that the launcher's kills land)
-    wait_for: int = 1  # replicas to wait for before the first step
-    rejoin: bool = False  # a restarted replica: heal from a live peer first
-    group: "Group | None" = None  # this process's replica group (join_group)
+    several_writers = True  # the lowest live rank writes; a stalled writer may wake after its successor wrote
 
-    def __post_init__(self):
-        self.group = self.group or join_group("none", self.device)
-        self.replicas = self.run_dir / "replicas"
+    def __init__(self, out: Path, rank: int, group: "Group"):
+        super().__init__(out, main=False)  # the launcher writes config.json and merges the replicas' files
+        self.rank, self.group = rank, group
+        self.replicas = self.out / "replicas"
         self.replicas.mkdir(parents=True, exist_ok=True)
-        self.manager, self.store, self.healed = None, None, {}
-        self.healed_at, self.healed_before, self.first, self.last_begin = None, False, True, None
-        self.heals, self.void_since, self.voids = 0, None, 0
-        if self.group.rank == 0:  # a process killed mid-write left a partial last line: cut it before appending
-            for name in (f"rank{self.rank}.jsonl", f"rank{self.rank}.heals.jsonl"):
+        if group.rank == 0:  # a process killed mid-write left a partial last line: cut it before appending
+            for name in (f"rank{rank}.jsonl", f"rank{rank}.heals.jsonl"):
                 repair_tail(self.replicas / name)
-        self.status("starting")
+
+    def metrics_path(self) -> Path | None:
+        return self.replicas / f"rank{self.rank}.jsonl" if self.group.rank == 0 else None
+
+    def summary_path(self) -> Path | None:
+        return self.replicas / f"rank{self.rank}.summary.json" if self.group.rank == 0 else None
 
     def status(self, what: str) -> None:
         if self.group.rank == 0:  # the group's files are its rank 0's
             atomic_write_text(self.replicas / f"rank{self.rank}.status", f"{what} {time.time():.3f}\n")
 
+    def status_of(self, rank: int) -> str | None:
+        """The first word of a rank's status file (None: unreadable)."""
+        try:
+            return (self.replicas / f"rank{rank}.status").read_text().split()[0]
+        except (OSError, IndexError):
+            return None
+
+    def healed(self, step: int, at: float) -> None:
+        if self.group.rank == 0:
+            with open(self.replicas / f"rank{self.rank}.heals.jsonl", "a") as f:
+                f.write(json.dumps({"healed_at_step": step, "time": at, "life": LIFE}) + "\n")
+
+    def run_finished(self) -> bool:
+        """Whether some replica has finished the run."""
+        return any(self.replicas.glob("rank*.summary.json"))
+
+    def write_checkpoint(self, step: int, config_hash: str, states: dict, writes: bool, keep: int = 1) -> None:
+        """The group's rank 0 writes; the others wait for the write (MECEFO_FT_CHECKPOINT_S), so that none of them
+        goes on to the next quorum, which waits for all of the group's processes, while it writes."""
+        super().write_checkpoint(step, config_hash, states, writes, keep)
+        if self.group.size > 1:
+            key = f"mecefo/checkpoint/{step}"
+            if self.group.rank == 0:
+                self.group.store.set(key, "written")
+            else:
+                try:
+                    self.group.store.wait([key], timedelta(seconds=CHECKPOINT_S))
+                except (RuntimeError, TimeoutError):
+                    raise TrainingStopped(f"rank {self.rank}: the group's checkpoint of step {step} was not written "
+                                          f"within {CHECKPOINT_S:g} s (MECEFO_FT_CHECKPOINT_S)") from None
+
+
+class FtMembership(Static):
+    """This replica's membership in a torchft run: torchft's Manager says who is alive (the lighthouse's
+    quorum), heals this replica from a live peer when it is behind, carries the engine's exchange (its
+    all-reduce tracks the peers' errors) and commits a step only if every participant finished it
+    (should_commit). With --shard fsdp the replica is a group of processes (one FSDP2 shard group, the
+    engine's): they join one quorum, and every answer below is the group's (a process computing while another
+    does not would hang), through one collective of the group. The class methods (open_data, agree) are one
+    process's: the launcher has prepared the run."""
+
+    def __init__(self, cfg, rank: int, device: torch.device, run_dir: Path, lighthouse: str, min_step_s: float = 0.0,
+                 wait_for: int = 1, rejoin: bool = False, group: "Group | None" = None):
+        self.cfg, self.rank, self.device, self.n_ranks = cfg, rank, device, cfg.cluster.ranks
+        self.lighthouse = lighthouse  # the lighthouse's address
+        self.min_step_s = min_step_s  # pace steps to at least this long (so that the launcher's kills land)
+        self.wait_for = wait_for  # replicas to wait for before the first step
+        self.rejoin = rejoin  # a restarted replica: heal from a live peer first
+        self.sharded = cfg.cluster.shard == "fsdp"
+        self.group = group or join_group(cfg.cluster.shard, device)  # this process's replica group
+        self.replica_files = ReplicaFiles(run_dir, rank, self.group)
+        self.replicas = self.replica_files.replicas
+        self.manager, self.engine, self.healed = None, None, {}
+        self.healed_at, self.healed_before, self.first, self.last_begin = None, False, True, None
+        self.heals, self.void_since, self.voids = 0, None, 0
+        self.status("starting")
+
+    def files(self, out) -> ReplicaFiles:
+        return self.replica_files
+
+    def status(self, what: str) -> None:
+        self.replica_files.status(what)
+
+    @classmethod
+    def shards(cls, cfg) -> int:
+        return int(os.environ.get("WORLD_SIZE", "1"))  # the group's processes
+
+    def engine_options(self, shard: str) -> dict:
+        """The engine's exchange crosses the replicas (groups) through torchft's all-reduce; with FSDP the group
+        shares the shards."""
+        return {"all_reduce": self.all_reduce} | ({"shard_group": (self.group.rank, self.group.size)} if self.sharded else {})
+
+    def _all(self, ok: bool) -> bool:
+        """Whether ok holds in every process of this replica (one collective of a group)."""
+        return _all_in_group(ok, self.device) if self.sharded else ok
+
     # ------------------------------------------------------------------ peers
-    def connect(self, components: dict, step: int) -> int | None:
+    def connect(self, components: dict, step: int, engine) -> int | None:
         """torchft's Manager on this replica's own store (a bare process must host one; torchrun would), at
         `step`, then wait for the peers."""
         from torchft import Manager
         from torchft.checkpointing.pg_transport import PGTransport
 
-        self.healed = components  # what a heal sends and takes
+        self.healed, self.engine = components, engine  # what a heal sends and takes
         if self.rejoin and not self.live_peer_ahead(step):
             return None
         host, bind = network()
@@ -155,19 +232,17 @@ class FtCluster(Backend):
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise TrainingStopped(f"rank {self.rank}: waited {TIMEOUT_S:g} s for {what} in vain ({first})") from None
 
-    def quorum(self) -> None:
+    def _quorum(self) -> None:
         """torchft's quorum (a replica behind its peers heals in it), waited for as long as the cluster makes
-        progress (mecefo.liveness.wait_for_quorum); then healed() on what happened in it."""
+        progress (mecefo.liveness.wait_for_quorum); then after_quorum on what happened in it."""
         heals = self.heals
         try:
             liveness.wait_for_quorum(self.manager, self.lighthouse, STALL_S, TIMEOUT_S, self.manager._client,
-                                     agree=self.quorum_agreed, known_gone=self.members_gone)
+                                     agree=self._all if self.sharded else None, known_gone=self.members_gone)
         except TimeoutError as e:
             raise TrainingStopped(f"rank {self.rank}: waited for a quorum at the lighthouse {self.lighthouse} in vain: "
                                   f"{e}") from None
         self.after_quorum(self.heals > heals)
-
-    quorum_agreed = None  # a replica of one process has nothing to agree on (FtShardedCluster: its group's answer)
 
     GONE = ("down", "starting", "waiting")  # the status words of a rank whose process holds none of the run's state
 
@@ -181,25 +256,34 @@ class FtCluster(Backend):
             name = liveness.replica_name(m)
             if not name.startswith("mecefo_") or not name[7:].isdigit() or int(name[7:]) == self.rank:
                 continue
-            try:
-                word = (self.replicas / f"rank{int(name[7:])}.status").read_text().split()[0]
-            except (OSError, IndexError):
-                continue
-            if word in self.GONE:
+            if self.replica_files.status_of(int(name[7:])) in self.GONE:
                 found.add(m)
         return found
 
     def after_quorum(self, healed: bool) -> None:
-        """After a quorum: whether this process healed in it (a group's processes must agree: FtShardedCluster)."""
-
-    HEAL_SKIPS = ("rng",)  # components a heal does not send
-    several_writers = True  # the lowest live rank writes; a stalled writer may wake after its successor wrote
+        """A mid-run heal must be the whole group's: if only some of its processes healed in this quorum (a source
+        died during one transfer), the group holds no one state and kills itself to be restarted."""
+        if not self.sharded:
+            return
+        healed_here = _count_in_group(healed, self.device)
+        if 0 < healed_here < self.group.size:
+            print(f"rank {self.rank}: {healed_here} of the group's {self.group.size} processes healed; the group "
+                  "restarts", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def state(self) -> dict:
-        """What a live peer sends a replica that heals (everything but the RNG states)."""
-        return {k: c.state_dict() for k, c in self.healed.items() if k not in self.HEAL_SKIPS}
+        """What a live peer sends a replica that heals: every component but the RNG states, and with FSDP this
+        process's own shards instead of the gathered model and optimizer (gathering is a collective, and the
+        group's processes may send to different groups' processes, or only some of them send)."""
+        skips = ("rng", *self.engine.heal_skips)
+        return {k: c.state_dict() for k, c in self.healed.items() if k not in skips} | (
+            {"shards": self.engine.heal_state()} if self.sharded else {})
 
     def load_state(self, state: dict) -> None:
+        shards = state.pop("shards", None)
+        if self.sharded and (shards or {}).get("group_size") != self.group.size:
+            raise TrainingStopped(f"rank {self.rank}: a live group of {(shards or {}).get('group_size')} processes "
+                                  f"cannot heal a group of {self.group.size} (every replica group must have the same size)")
         self.status("healing")
         delay = float(os.environ.get(HEAL_DELAY_ENV, "0") or 0)
         if delay and (not self.healed_before or os.environ.get("MECEFO_FT_HEAL_DELAY_EVERY")):
@@ -207,11 +291,13 @@ class FtCluster(Backend):
         self.healed_before = True
         for k, v in state.items():
             self.healed[k].load_state_dict(v)
+        if shards is not None:
+            self.engine.load_heal_state(shards)
         self.healed_at, self.heals = time.time(), self.heals + 1
 
     def run_finished(self) -> bool:
-        """Whether some replica has finished the run (a waiting replica then has nobody to join)."""
-        return any(self.replicas.glob("rank*.summary.json"))
+        """Whether some replica has finished the run (a waiting replica then has nobody to join; the group's answer)."""
+        return not self._all(not self.replica_files.run_finished())
 
     def live_peer_ahead(self, step: int) -> bool:
         """A restarted replica, before its manager exists (and heartbeats, which would make quorums wait for it):
@@ -224,7 +310,7 @@ class FtCluster(Backend):
             status = liveness.read_status(self.lighthouse)
             ahead, finished, late = self.agreed(  # (a group's processes must take the same branch)
                 ahead=status is not None and status.max_step is not None and status.max_step > step,
-                finished=any(self.replicas.glob("rank*.summary.json")), late=time.monotonic() - start > JOIN_TIMEOUT_S)
+                finished=self.replica_files.run_finished(), late=time.monotonic() - start > JOIN_TIMEOUT_S)
             if finished:
                 print(f"rank {self.rank}: the run finished before this replica could rejoin", flush=True)
                 return False
@@ -236,9 +322,12 @@ class FtCluster(Backend):
             time.sleep(0.05)
 
     def agreed(self, ahead: bool, finished: bool, late: bool) -> tuple[bool, bool, bool]:
-        """(every process sees a live peer ahead, any sees the run finished, any has waited too long): this process's
-        own answers (a group of several agrees on them: FtShardedCluster)."""
-        return ahead, finished, late
+        """(every process sees a live peer ahead, any sees the run finished, any has waited too long): the group's
+        answers."""
+        if not self.sharded:
+            return ahead, finished, late
+        votes = _min_in_group([int(ahead), int(not finished), int(not late)], self.device)
+        return bool(votes[0]), not votes[1], not votes[2]
 
     def wait(self) -> bool:
         """Take part in quorums without training (nothing is committed) until `wait_for` replicas are there
@@ -252,7 +341,7 @@ class FtCluster(Backend):
                 raise TrainingStopped(f"rank {self.rank}: waited {JOIN_TIMEOUT_S:g} s (MECEFO_FT_JOIN_TIMEOUT_S) for "
                                       f"{what} at the lighthouse {self.lighthouse}; "
                                       f"{self.manager.num_participants()} there")
-            self.quorum()
+            self._quorum()
             if self.rejoin:
                 if self.rejoined():
                     return True
@@ -266,24 +355,29 @@ class FtCluster(Backend):
 
     def rejoined(self) -> bool:
         """A restarted replica is back once it has healed from a live peer: its own state (a fresh model) is never
-        trained on, whoever else is in the quorum (another restarted replica holds no newer state)."""
-        return self.healed_at is not None
+        trained on, whoever else is in the quorum (another restarted replica holds no newer state). A group: once
+        every process has healed (torchft spreads the heal sources over the group's ranks: one transfer can fail
+        while the others succeed; after_quorum kills a group healed by halves)."""
+        if not self.sharded:
+            return self.healed_at is not None
+        return _all_in_group(self.healed_at is not None and self.manager.errored() is None, self.device)
 
     def close(self) -> None:
         if self.manager is not None:
             self.manager.shutdown(wait=False)
 
     # ------------------------------------------------------------------ a step
-    def begin(self, step: int) -> int:
-        """The quorum (after pacing the previous step to min_step_s); its step, which is this replica's after
-        a heal."""
+    def quorum(self, step: int, schedule, end: int) -> Quorum:
+        """torchft's quorum (after pacing the previous step to min_step_s), its step (this replica's after a heal)
+        and the ranks missing from it (one all-reduce of a one-hot vector; None, and the step void, if a peer failed
+        during that exchange). At a step >= end the run is over: no exchange."""
         if self.last_begin is not None:
             spare = self.min_step_s - (time.perf_counter() - self.last_begin)
             if spare > 0:
                 time.sleep(spare)
         self.last_begin = time.perf_counter()
         if not self.first:  # the waiting loop's last quorum is the first step's
-            self.quorum()
+            self._quorum()
         self.first = False
         step = self.manager.current_step()
         crash = os.environ.get(FAULT_CRASH, "").split(":")
@@ -291,51 +385,61 @@ class FtCluster(Backend):
             raise RuntimeError(f"an injected crash at step {step} ({FAULT_CRASH})")
         if self.healed_at is not None:
             print(f"rank {self.rank}: healed from a live peer at step {step}", flush=True)
-            if self.group.rank == 0:
-                with open(self.replicas / f"rank{self.rank}.heals.jsonl", "a") as f:
-                    f.write(json.dumps({"healed_at_step": step, "time": self.healed_at, "life": LIFE}) + "\n")
+            self.replica_files.healed(step, self.healed_at)
             self.healed_at = None
-        return step
+        if step >= end:
+            return Quorum(step, frozenset())
+        down = self._failed()
+        if down is None:
+            self._commits(None)
+        return Quorum(step, down)
 
-    def failed(self, step: int, schedule) -> frozenset[int] | None:
-        """The ranks not in this step's quorum (one all-reduce of a one-hot vector; None if a peer failed
-        during the exchange)."""
+    def _failed(self) -> frozenset[int] | None:
         from torch.distributed import ReduceOp
 
         onehot = torch.zeros(self.n_ranks, dtype=torch.float32, device=self.device)
         onehot[self.rank] = 1.0
         self.manager.allreduce(onehot, reduce_op=ReduceOp.SUM).wait()
-        if self.manager.errored() is not None or round(float(onehot[self.rank])) != 1:
+        ok = self.manager.errored() is None and round(float(onehot[self.rank])) == 1
+        if not self._all(ok):  # any process of the group saw a peer fail: the whole group redoes the step
             return None
         return frozenset(r for r in range(self.n_ranks) if round(float(onehot[r])) == 0)
 
-    def step(self, plan: StepPlan) -> StepResult:
+    def all_reduce(self, t: torch.Tensor) -> None:
+        """The engine's exchange: SUM over the replicas through torchft's Manager (which records a peer's failure
+        instead of raising). A group whose process saw a failure fills t with NaN in every process: the step's
+        numbers are not its, and every process must take the same branch (void, redone)."""
         from torch.distributed import ReduceOp
 
         abandon = os.environ.get(FAULT_ABANDON, "").split(":")
         if len(abandon) == 2 and int(abandon[0]) == self.rank and self.manager.current_step() + 1 == int(abandon[1]) \
-                and not self.rejoin and not getattr(self, "abandoned", False):
+                and not self.rejoin and not self.sharded and not getattr(self, "abandoned", False):
             self.abandoned = True  # once
             self.manager.report_error(RuntimeError(f"an injected abandoned exchange ({FAULT_ABANDON})"))
-            return self.exchange_step(plan, self.rank, lambda t: None)
-        return self.exchange_step(plan, self.rank, lambda t: self.manager.allreduce(t, reduce_op=ReduceOp.SUM).wait())
+            return
+        self.manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()
+        if self.sharded and not _all_in_group(self.manager.errored() is None, self.device):
+            t.fill_(float("nan"))
 
     def peer_failed(self) -> bool:
-        """Whether a peer failed during this step's exchange (torchft's error)."""
-        return self.manager.errored() is not None
+        """Whether a peer failed during this step's exchange (torchft's error; a group: any of its processes saw
+        one, so its shard of the exchange, and the group's gradient norm, are not the step's)."""
+        return not self._all(self.manager.errored() is None)
 
-    def abort(self) -> bool:
-        """A non-finite loss: void if a peer died during the exchange (its partial sums are not the step's;
-        redone), else reported so that no peer commits it, and training stops."""
-        void = self.peer_failed()
-        if not void:
-            self.manager.report_error(RuntimeError("non-finite loss"))
-        self._should_commit()
-        return void
+    def finish(self, plan: StepPlan, finite: bool) -> str:
+        """A non-finite loss: void (REDO) if a peer died during the exchange (its partial sums are not the step's),
+        else reported so that no peer commits it, and training stops (STOP). A finite one: torchft's should_commit
+        (COMMIT: every participant finished the step; else REDO with the next quorum: no step is lost or applied
+        twice)."""
+        if not finite:
+            void = self.peer_failed()
+            if not void:
+                self.manager.report_error(RuntimeError("non-finite loss"))
+            self._should_commit()
+            return REDO if void else STOP
+        return COMMIT if self._commits(plan) else REDO
 
-    def commits(self, plan: StepPlan | None) -> bool:
-        """torchft's should_commit: every participant finished the step (else nothing is applied, and the
-        step is redone with the next quorum: no step is lost or applied twice)."""
+    def _commits(self, plan: StepPlan | None) -> bool:
         if plan is None:
             self.manager.report_error(RuntimeError("the quorum's failed set could not be read"))
         fault = os.environ.get(FAULT_VOID)
@@ -378,10 +482,7 @@ class FtCluster(Backend):
                 f"{now - self.void_since:.0f} s (MECEFO_FT_VOID_S {VOID_S:g}); the last error: "
                 f"{str(getattr(error, 'original_exception', error)).strip().splitlines()[0] if error else 'none'}")
 
-    # ------------------------------------------------------------------ files
-    def owns_out(self) -> bool:
-        return False  # the launcher writes config.json and merges the replicas' files
-
+    # ------------------------------------------------------------------ who writes
     def writes(self, plan: StepPlan | None) -> bool:
         """The lowest live rank evaluates and checkpoints at a step; outside a step every replica evaluates."""
         return self.group.rank == 0 and self.io(plan)
@@ -390,221 +491,12 @@ class FtCluster(Backend):
         """The replica (its whole group) that writes: the lowest live rank at a step; every replica outside one."""
         return plan is None or self.rank == min(set(range(self.n_ranks)) - plan.failed)
 
-    def metrics_path(self, out):
-        return self.replicas / f"rank{self.rank}.jsonl" if self.group.rank == 0 else None
-
-    def summary_path(self, out):
-        return self.replicas / f"rank{self.rank}.summary.json" if self.group.rank == 0 else None
-
     def extras(self) -> dict:
         return {"rank": self.rank, "time": time.time(), "life": LIFE}
 
-    def agreement(self) -> dict:
-        """This replica alone (the launcher compares the replicas' digests, in summary_extras)."""
-        return {"ranks_checked": [self.rank], "identical": True}
-
-    def summary_extras(self) -> dict:
-        return {"rank": self.rank, "digest": self.digest(with_parameters=True)}
-
-
-class FtShardedCluster(FtCluster):
-    """A replica group of k processes sharding the model with FSDP2 (`--shard fsdp`; k = the group's
-    WORLD_SIZE, 1 included): the group is one data-parallel rank of the paper, its micro-batches split by rows
-    over its processes. Each backward reduce-scatters w_p grad(loss_p) within the group (summed, as on the
-    torch backend's FSDP); the gradient shards, the loss and weight sums then cross the groups through
-    torchft's all-reduce, process j of every group with process j of the others, SUM, and the per-group
-    weights are divided out: the paper's aggregation rule, as on every backend. Low-rank factors G_y^T (x V1)
-    are summed within the group and each process adds its shard's rows of (sum) V1^T before the exchange
-    (linear, so the sum over groups is the sum of all factors).
-
-    The failure unit is the group: its processes join one quorum (torchft's ManagerServer on the group's
-    rank 0 waits for all k) and commit together; when one dies the launcher takes the group down and
-    restarts it, and process j heals its own shards (parameters, optimizer state) from process j of a live
-    group, the rest of the state as on the unsharded backend. Files are the group's rank 0's."""
-
-    @classmethod
-    def build_model(cls, model_cfg, device: torch.device, seed: int) -> torch.nn.Module:
-        from .cluster import sharded_model
-
-        return sharded_model(model_cfg, device, seed)  # over the group's process group (the default one)
-
-    def components(self, optimizer) -> dict:
-        from .cluster import sharded_components
-
-        self.optimizer = optimizer  # (a heal sends its shards)
-        return sharded_components(self.model, optimizer)
-
-    def restore_checkpoint(self, path, config_hash: str, components: dict, optimizer) -> int:
-        from .cluster import restore_sharded
-
-        return restore_sharded(path, config_hash, components, self.group.rank)
-
-    def evaluates(self, plan: StepPlan | None) -> bool:
-        return self.io(plan)  # the whole group: the forward pass gathers the shards
-
-    def parameters_finite(self) -> bool:
-        return _all_in_group(super().parameters_finite(), self.device)
-
-    def run_finished(self) -> bool:
-        return not _all_in_group(not super().run_finished(), self.device)  # one answer for the group
-
-    # the model's components gather the whole model: a collective, and the group's processes may send to
-    # different groups' processes, or only some of them send; each sends its own shards instead (state)
-    HEAL_SKIPS = ("rng", "model", "optimizer")
-
-    def rejoined(self) -> bool:
-        """Every process of the group has healed (torchft spreads the heal sources over the group's ranks: one
-        transfer can fail while the others succeed; after_quorum kills a group healed by halves)."""
-        return _all_in_group(super().rejoined() and self.manager.errored() is None, self.device)
-
-    def agreed(self, ahead: bool, finished: bool, late: bool) -> tuple[bool, bool, bool]:
-        votes = _min_in_group([int(ahead), int(not finished), int(not late)], self.device)
-        return bool(votes[0]), not votes[1], not votes[2]
-
-    def quorum_agreed(self, ok: bool) -> bool:
-        """Whether every process of the group had its quorum try succeed (liveness.wait_for_quorum's agree)."""
-        return _all_in_group(ok, self.device)
-
-    def after_quorum(self, healed: bool) -> None:
-        """A mid-run heal too must be the whole group's: if only some of its processes healed in this quorum (a
-        source died during one transfer), the group holds no one state and kills itself to be restarted."""
-        healed_here = _count_in_group(healed, self.device)
-        if 0 < healed_here < self.group.size:
-            print(f"rank {self.rank}: {healed_here} of the group's {self.group.size} processes healed; the group "
-                  "restarts", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    def write_checkpoint(self, path, step: int, config_hash: str, states: dict, plan, keep: int = 1) -> None:
-        """The group's rank 0 writes; the others wait for the write (MECEFO_FT_CHECKPOINT_S), so that none of them
-        goes on to the next quorum, which waits for all of the group's processes, while it writes."""
-        super().write_checkpoint(path, step, config_hash, states, plan, keep)
-        if self.group.size > 1:
-            key = f"mecefo/checkpoint/{step}"
-            if self.group.rank == 0:
-                self.group.store.set(key, "written")
-            else:
-                try:
-                    self.group.store.wait([key], timedelta(seconds=CHECKPOINT_S))
-                except (RuntimeError, TimeoutError):
-                    raise TrainingStopped(f"rank {self.rank}: the group's checkpoint of step {step} was not written "
-                                          f"within {CHECKPOINT_S:g} s (MECEFO_FT_CHECKPOINT_S)") from None
-
-    def peer_failed(self) -> bool:
-        """The group's answer: any of its processes saw a peer fail (its shard of the exchange, and so the
-        group's gradient norm, are not the step's)."""
-        return not _all_in_group(not super().peer_failed(), self.device)
-
-    @classmethod
-    def shards(cls, cfg) -> int:
-        return int(os.environ.get("WORLD_SIZE", "1"))  # the group's processes
-
-    def failed(self, step: int, schedule) -> frozenset[int] | None:
-        """The quorum's failed set, or None for the whole group if any of its processes saw a peer fail during
-        the exchange (its processes then all redo the step; one computing while another does not would hang)."""
-        down = super().failed(step, schedule)
-        return down if _all_in_group(down is not None, self.device) else None
-
-    # ------------------------------------------------------------------ a heal: this process's shards
-    def state(self) -> dict:
-        from .cluster import _local
-
-        _reshard(self.model)
-        return super().state() | {
-            "group_size": self.group.size,
-            "model": {k: _local(p).detach() for k, p in self.model.named_parameters()},
-            "optimizer": _map_tensors(self.optimizer.state_dict(), _local)}
-
-    def load_state(self, state: dict) -> None:
-        if state.get("group_size") != self.group.size:
-            raise TrainingStopped(f"rank {self.rank}: a live group of {state.get('group_size')} processes cannot heal a "
-                                  f"group of {self.group.size} (every replica group must have the same size)")
-        model, optimizer = state.pop("model"), state.pop("optimizer")
-        state.pop("group_size")
-        super().load_state(state)
-        from .cluster import _local
-
-        _reshard(self.model)
-        params = dict(self.model.named_parameters())
-        with torch.no_grad():
-            for k, v in model.items():
-                _local(params[k]).copy_(v)
-        by_index = [p for g in self.optimizer.param_groups for p in g["params"]]
-        for i, entry in optimizer["state"].items():  # the peer's local shards back into DTensors of our own layout
-            p = by_index[int(i)]
-            for k, v in entry.items():
-                if torch.is_tensor(v) and hasattr(p, "device_mesh") and v.dim() > 0 and v.shape == _local(p).shape:
-                    from torch.distributed.tensor import DTensor
-
-                    entry[k] = DTensor.from_local(v.to(self.device), p.device_mesh, p.placements, run_check=False,
-                                                  shape=p.shape, stride=p.stride())
-        self.optimizer.load_state_dict(optimizer)
-
-    # ------------------------------------------------------------------ a step
-    def step(self, plan: StepPlan) -> StepResult:
-        import torch.distributed as dist
-        from torch.distributed import ReduceOp
-
-        from .cluster import _local, add_low_rank_rows
-
-        self.current_step = plan.step
-        self.model.zero_grad(set_to_none=True)
-        loss_sum, weight_sum = 0.0, 0.0
-        for piece in plan.pieces.get(self.rank, ()):  # every process of the group: one pass per piece (FSDP's
-            mine = rows_of(piece, self.group.rank, self.group.size)  # collectives need all of them in each)
-            if mine is None:  # more processes than rows: one row at weight 0 (its gradient is exactly 0)
-                self.run_piece(Piece(piece.owner, piece.micro, piece.start, piece.start + 1, piece.batch,
-                                     piece.techniques), 0.0)
-                continue
-            loss_sum += self.run_piece(mine, mine.weight) * mine.weight
-            weight_sum += mine.weight
-        add_low_rank_rows(self.model, self.lowrank, plan, self.group.rank, self.group.size, dist.all_reduce)
-        totals = torch.tensor([loss_sum, weight_sum], device=self.device, dtype=torch.float32)
-        dist.all_reduce(totals)  # the group's sums (its gradient shards are summed by FSDP's reduce-scatter)
-        params = list(self.model.parameters())
-        flat = torch.cat([(_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p))).reshape(-1)
-                          for p in params] + [totals])
-        self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()  # across the groups
-        offset = 0
-        for p in params:
-            local = flat[offset: offset + _local(p).numel()].view_as(_local(p))
-            offset += local.numel()
-            if p.grad is None:
-                from torch.distributed.tensor import DTensor
-
-                p.grad = DTensor.from_local(local.clone(), p.device_mesh, p.placements, run_check=False,
-                                            shape=p.shape, stride=p.stride())
-            else:
-                _local(p.grad).copy_(local)
-        self.normalise(plan.counts(len(self.model.layers)))
-        loss = flat[-2].item() / max(flat[-1].item(), 1e-12)
-        if not _all_in_group(self.manager.errored() is None, self.device):  # each process has its own exchange: if one
-            loss = float("nan")  # failed, every process of the group must take the same branch (abort: the step is void)
-        return StepResult(loss, plan.samples())
-
-    # ------------------------------------------------------------------ agreement
-    def agreement(self) -> dict:
-        """The group's processes hold the same V1; the group's digest (every shard's) goes in the summary, where
-        the launcher compares the groups'."""
-        import torch.distributed as dist
-
-        digests = [None] * self.group.size
-        dist.all_gather_object(digests, self.digest(with_parameters=True))
-        bases = [d[:d[0] + 1] for d in digests]
-        self.group_digest = [x for d in digests for x in d]
-        return {"ranks_checked": [self.rank], "identical": all(b == bases[0] for b in bases)}
-
-    def summary_extras(self) -> dict:
-        return {"rank": self.rank, "group_size": self.group.size, "digest": self.group_digest}
-
-
-def _reshard(model: torch.nn.Module) -> None:
-    """Put the FSDP2 model's sharded parameters back in place: after a forward pass without backward (an
-    evaluation), the root module keeps its parameters gathered, whole, until its next backward."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
+    def summary_extras(self, digest: list | None) -> dict:
+        """The replica's (its group's) digest, which the launcher compares across replicas."""
+        return {"rank": self.rank, **({"group_size": self.group.size} if self.sharded else {}), "digest": digest}
 
 
 def _all_in_group(ok: bool, device: torch.device) -> bool:
@@ -645,26 +537,6 @@ def _count_in_group(ok: bool, device: torch.device) -> int:
     flag = torch.tensor([int(ok)], device=device)
     dist.all_reduce(flag)
     return int(flag.item())
-
-
-def rows_of(piece: Piece, j: int, k: int) -> Piece | None:
-    """Process j's share of a piece's rows when a group of k processes computes it: contiguous, the first
-    (rows mod k) processes one row more (None: no row). A share of weight rows/b gives weight * grad of its
-    mean loss, so the shares' sum is the piece's."""
-    n = piece.stop - piece.start
-    start = piece.start + j * (n // k) + min(j, n % k)
-    stop = start + n // k + (1 if j < n % k else 0)
-    return Piece(piece.owner, piece.micro, start, stop, piece.batch, piece.techniques) if stop > start else None
-
-
-def _map_tensors(tree, fn):
-    if torch.is_tensor(tree):
-        return fn(tree)
-    if isinstance(tree, dict):
-        return {k: _map_tensors(v, fn) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_map_tensors(v, fn) for v in tree)
-    return tree
 
 
 @dataclass
@@ -765,9 +637,9 @@ def replica(cfg, out: Path, rank: int, lighthouse: str, min_step_s: float, wait_
         if start is not None:
             training.train(start, cfg.train.steps)
             training.summary()
-            training.cluster.status("finished")
+            training.files.status("finished")
     finally:
-        training.cluster.close()
+        training.membership.close()
 
 
 def _forked(argv: list[str]) -> int:

@@ -13,7 +13,7 @@ the next time it heals; it is restarted at once; the kill lands while it applies
 peer: torchft calls our loader after the transfer), and --chaos SEED[:RATE] draws random events (mecefo.chaos:
 kills, simultaneous kills, kills while healing or writing, stalls, the lighthouse killed and restarted). A
 restarted process heals from a live peer and rejoins. With --shard fsdp --group_size K each rank is a replica
-group of K processes sharding the model (mecefo.ft.FtShardedCluster): a kill takes the whole group (a node
+group of K processes sharding the model (mecefo.engine.Sharded under mecefo.ft.FtMembership): a kill takes the whole group (a node
 lost), --kill R/J:S[:S2] kills its process J only, and a group missing any process is taken down and
 restarted. A replica killed by anyone's signal is restarted at once; one that crashes (an exit status other
 than 2, bad input, and 3, cannot go on) is restarted up to --max_restarts times. Every process started here is
@@ -306,7 +306,7 @@ class Supervisor:
 
     def mark_down(self, rank: int) -> None:
         """Say in rank's status file that its process is dead: its peers do not wait for it to reappear at a restarted
-        lighthouse (FtCluster.members_gone)."""
+        lighthouse (FtMembership.members_gone)."""
         atomic_write_text(self.out / "replicas" / f"rank{rank}.status", f"down {time.time():.3f}\n")
         self.observed[rank] = ["down"]
 

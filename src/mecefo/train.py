@@ -29,16 +29,18 @@ from tqdm import tqdm
 
 from . import checkpoint, failures, policies
 from . import config as config_mod
-from .cluster import BACKENDS, backend_class, backend_spec
+from .cluster import BACKENDS, backend_parts, backend_spec
 from .config import Config
 from .costs import Shape, analytic_flops
 from .data import TokenData
 from .errors import TrainingStopped, UsageError, guarded
+from .membership import REDO, STOP
 from .model import GPT, count_parameters, preset
 from .neighbour import LowRankWgrad, Techniques
 from .plan import rank_flops
-from .records import atomic_write_json, atomic_write_text, git_commit, package_versions
-from .runfolder import LOCK, lock_holder, release_lock, take_lock
+from .records import atomic_write_json, git_commit, package_versions
+from .runfiles import give_up, missing_folders, prepare_out, truncate_metrics
+from .runfolder import release_lock, take_lock
 
 
 def lr_at(step: int, optim: config_mod.OptimConfig, total_steps: int) -> float:
@@ -79,13 +81,6 @@ def clip_gradients(model: GPT, grad_clip: float) -> float:
     grads = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(grads, grad_clip if grad_clip > 0 else float("inf"))
     return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
-
-
-def apply_update(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """The optimizer step at lr; parameters without a gradient are left unchanged."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    optimizer.step()
 
 
 def model_config(cfg: Config, vocab_size: int):
@@ -140,42 +135,6 @@ def evaluate(model: GPT, data: TokenData, split: str, device: torch.device, prec
     return total / rows
 
 
-def _missing_folders(out: Path) -> list[Path]:
-    """The folders of OUT that do not exist yet (OUT first, then its parents), or a UsageError if OUT cannot be made
-    a run folder; what the run's lock creates, and what is removed again if the run refuses to start."""
-    existing = next(p for p in (out, *out.parents) if p.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK):
-        raise UsageError(f"--out {out} cannot be a run folder: {existing} is "
-                         + ("not a directory" if not existing.is_dir() else "not writable"))
-    return [p for p in (out, *out.parents) if not p.exists()]
-
-
-def _prepare_out(out: Path, cfg: Config, resume: bool) -> dict:
-    """Decide what to do with an existing DIR: reuse a finished run ({"finished": summary}), resume from its
-    checkpoint ({"resume": True}), start afresh, or refuse to overwrite (UsageError)."""
-    summary, ckpt = out / "summary.json", out / "checkpoint.pt"
-    holder = lock_holder(out)  # (None where this process holds it)
-    if holder is not None:
-        raise UsageError(f"--out {out} is in use by a live run (pid {holder}, {out / LOCK}); wait for it to end or "
-                         "choose another --out")
-    if summary.exists():
-        done = json.loads(summary.read_text())
-        if done.get("config_hash") == cfg.hash():
-            return {"finished": done, "resume": False}
-        raise UsageError(f"--out {out} holds a finished run of another config (hash {done.get('config_hash')}); "
-                         "choose another --out")
-    if resume and not ckpt.exists():
-        raise UsageError(f"--resume given but {ckpt} does not exist")
-    if ckpt.exists():
-        checkpoint.load(ckpt, cfg.hash())  # refuses another config's checkpoint before anything is touched
-    elif out.exists() and any(p.name != LOCK for p in out.iterdir()):
-        started = out / "config.json"
-        if not (started.exists() and json.loads(started.read_text()).get("config_hash") == cfg.hash()):
-            raise UsageError(f"--out {out} is not empty and holds no run of this config; choose another --out")
-        # our own run, interrupted before its first checkpoint: it starts over
-    return {"finished": None, "resume": ckpt.exists()}
-
-
 @dataclass
 class Progress:
     """The run's counters, a checkpoint component."""
@@ -195,54 +154,58 @@ class Progress:
 
 
 class Run:
-    """One training run: built from a config, it owns the model, optimizer, data, failure schedule, policy,
-    the backend's ranks (mecefo.cluster.Backend) and the run's files (see the module docstring). Its loop
-    (train, step) drives every backend: local, torch, FSDP and torchft."""
+    """One training run: built from a config, it owns the model, optimizer, data, failure schedule and policy,
+    and composes the backend's three parts (mecefo.cluster's registry): its membership (mecefo.membership: who
+    is alive at a step, whether the step counts), its step engine (mecefo.engine: how a planned step is
+    computed and exchanged) and the run's files (mecefo.runfiles). Its loop (train, step) drives every backend:
+    local, torch, FSDP and torchft. Each step it asks the membership for the quorum, the engine for the step,
+    the membership whether it commits, the engine for the update, and tells the membership the step's row."""
 
     def __init__(self, cfg: Config, out: Path, device: torch.device, rank: int = 0, quiet: bool = False, **options):
-        """options: the backend's own (mecefo.ft: the replica's lighthouse, pacing, rejoining)."""
+        """options: the membership's own (mecefo.ft: the replica's lighthouse, pacing, rejoining, group)."""
         self.cfg, self.out, self.device, self.quiet = cfg, Path(out), device, quiet
         cc, tc = cfg.cluster, cfg.train
-        backend = backend_class(cc)
-        self.data = backend.open_data(cfg, rank == 0)
+        membership, engine = backend_parts(cc)
+        self.membership = membership(cfg, rank, device, **options)
+        self.files = self.membership.files(self.out)
+        self.data = membership.open_data(cfg, rank == 0)
         self.model_cfg, self.cost_accounting = model_config(cfg, self.data.vocab_size)
-        check_memory(cfg, self.model_cfg, device, backend.rows_per_pass(cfg), shards=backend.shards(cfg))
+        check_memory(cfg, self.model_cfg, device, engine.rows_per_pass(cfg), shards=membership.shards(cfg))
         if cfg.model.hf_config:  # a Hugging Face model (mecefo.hf), seeded as ours
             from .hf import HFCausalLM, read_config
 
             torch.manual_seed(tc.seed)
             self.model = HFCausalLM(read_config(cfg.model.hf_config)).to(device)
         else:
-            self.model = backend.build_model(self.model_cfg, device, tc.seed)
+            self.model = engine.build_model(self.model_cfg, device, tc.seed)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.schedule = failures.for_run(cfg)
         self.policy = policies.get(cc.policy, trainer=True)(cc)
         self.lowrank = LowRankWgrad(r=cc.r, tau=cc.low_rank_tau, svd=cc.low_rank_svd, seed=tc.seed).bind(self.model)
-        self.cluster = backend(self.model, self.data, tc.seed, device, self.lowrank,
-                               lambda: autocast(device, tc.precision), n_ranks=cc.ranks, rank=rank, **options)
+        self.engine = engine(self.model, self.data, tc.seed, device, self.lowrank, lambda: autocast(device, tc.precision),
+                             n_ranks=cc.ranks, rank=rank, **self.membership.engine_options(cc.shard))
         self.flops = _FlopModel(self.model_cfg, cfg.data, cc.r)
         self.progress = Progress()
-        self.components = self.cluster.components(self.optimizer) | {
+        self.components = self.engine.components(self.optimizer) | {
             "rng": checkpoint.RNG(), "lowrank": self.lowrank, "policy": self.policy, "progress": self.progress}
         self.tokens_per_step = cfg.data.micro_batch_size * cfg.data.seq_len * cfg.data.grad_accum * cc.ranks
         self.metrics = None
 
     def start(self, resume: bool) -> int | None:
-        """Resume from out/checkpoint.pt (rank 0 has decided that it exists) or start afresh, and join the
+        """Resume from the run's checkpoint (rank 0 has decided that it exists) or start afresh, and join the
         peers; returns the first step (None: the run finished before this process could join it)."""
-        ckpt_path, metrics_path, owner = self.out / "checkpoint.pt", self.cluster.metrics_path(self.out), self.cluster.owns_out()
+        metrics_path, owner = self.files.metrics_path(), self.files.owns_out()
         start = 0
         if resume:
-            start = self.cluster.restore_checkpoint(ckpt_path, self.cfg.hash(), self.components, self.optimizer)
+            start = self.engine.restore(self.files.checkpoint_path(), self.cfg.hash(), self.components, self.optimizer)
             if owner:
-                _truncate_metrics(metrics_path, start)
+                truncate_metrics(metrics_path, start)
             _log(f"resuming {self.out} from step {start}", self.quiet)
         elif owner and metrics_path.exists():
             metrics_path.unlink()
         if owner:
-            self.out.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(self.out / "config.json", {"config_hash": self.cfg.hash(), "config": self.cfg.to_dict()})
-        joined = self.cluster.connect(self.components, start)
+            self.files.write_config(self.cfg)
+        joined = self.membership.connect(self.components, start, self.engine)
         if joined is None:
             return None
         self.metrics = open(metrics_path, "a") if metrics_path else None
@@ -259,62 +222,52 @@ class Run:
     def evaluate(self, split: str, plan=None) -> float | None:
         """The split's loss (None in processes that do not evaluate at this step, and for a split the data has
         not, e.g. C4's test)."""
-        if split not in self.data.splits or not self.cluster.io(plan):
+        if split not in self.data.splits or not self.membership.io(plan):
             return None
-        self.cluster.sync_for_io(self.optimizer)
-        if self.cluster.evaluates(plan):
-            self.cluster.status(f"evaluating {self.progress.furthest}")
+        self.engine.sync_for_io(self.optimizer)
+        if self.membership.writes(plan) or self.engine.evaluates_with_writer:
+            self.files.status(f"evaluating {self.progress.furthest}")
             return evaluate(self.model, self.data, split, self.device, self.cfg.train.precision)
         return None
 
     def save(self, step: int, plan=None) -> None:
-        if not self.cluster.io(plan):
+        if not self.membership.io(plan):
             return
-        self.cluster.sync_for_io(self.optimizer)
-        if not self.cluster.parameters_finite():  # a finite loss can still be followed by a non-finite update
+        self.engine.sync_for_io(self.optimizer)
+        if not self.engine.parameters_finite():  # a finite loss can still be followed by a non-finite update
             raise TrainingStopped(f"step {step}: the parameters are not finite after the update; the last checkpoint "
                                   f"in {self.out} is kept")
-        self.cluster.status(f"checkpointing {step}")
+        self.files.status(f"checkpointing {step}")
         states = checkpoint.gather(self.components)  # every rank: gathering FSDP shards is collective
-        self.cluster.write_checkpoint(self.out / "checkpoint.pt", step, self.cfg.hash(), states, plan,
-                                      keep=self.cfg.train.keep_checkpoints)
-        self.cluster.status(f"step {step}")
+        self.files.write_checkpoint(step, self.cfg.hash(), states, self.membership.writes(plan),
+                                    keep=self.cfg.train.keep_checkpoints)
+        self.files.status(f"step {step}")
 
-    def step(self, step: int) -> tuple[dict | None, object]:
-        """Train step `step` (0-based) under the policy; returns its metrics row (None: the step did not
-        commit, torchft's peer died during it, and is redone) and its plan."""
+    def step(self, step: int, down: frozenset[int]) -> tuple[dict | None, object]:
+        """Train step `step` (0-based) with the ranks `down` failed, under the policy; returns its metrics row
+        (None: the step did not commit, torchft's peer died during it, and is redone) and its plan."""
         cc, dc = self.cfg.cluster, self.cfg.data
         t0 = time.perf_counter()
-        down = self.cluster.failed(step, self.schedule)
-        if down is None:
-            self.cluster.commits(None)
-            return None, None
         plan = self.policy.plan(step, down, cc.ranks, dc.grad_accum, dc.micro_batch_size, cc.all_down)
-        self.cluster.transition(plan, self.optimizer)
-        self.lowrank.steps = step
-        self.cluster.prepare(plan)
         lr = self.cfg.optim.lr * lr_at(step, self.cfg.optim, self.cfg.train.steps)
         t_reference = time.perf_counter()
-        exact = _failure_free_gradient(self.cluster, plan, self.cfg) if cc.track_grad_error and plan.failed and not plan.skipped else None
+        exact = _failure_free_gradient(self.engine, plan, self.cfg, self.optimizer) \
+            if cc.track_grad_error and plan.failed and not plan.skipped else None
         t0 += time.perf_counter() - t_reference  # tokens/s of the step itself, without the tracking
-        result = self.cluster.step(plan)
+        result = self.engine.compute(plan, self.optimizer)
         rel_error = _relative_error(self.model, exact) if exact is not None else None
         loss = grad_norm = None
         if not plan.skipped:
             loss, grad_norm = result.loss, clip_gradients(self.model, self.cfg.optim.grad_clip)
-            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-                if self.cluster.abort():  # torchft: a peer died during the step, which is redone
-                    self.model.zero_grad(set_to_none=True)
-                    return None, plan
-                raise TrainingStopped(f"step {step + 1}: non-finite training loss {loss} or gradient norm {grad_norm} "
-                                      f"(lr {lr:.3g}); nothing written for this step, the last checkpoint in "
-                                      f"{self.out} is kept")
-        if not self.cluster.commits(plan):
+        verdict = self.membership.finish(plan, plan.skipped or (math.isfinite(loss) and math.isfinite(grad_norm)))
+        if verdict == STOP:
+            raise TrainingStopped(f"step {step + 1}: non-finite training loss {loss} or gradient norm {grad_norm} "
+                                  f"(lr {lr:.3g}); nothing written for this step, the last checkpoint in "
+                                  f"{self.out} is kept")
+        if verdict == REDO:  # torchft: a peer died during the step, which is redone
             self.model.zero_grad(set_to_none=True)
             return None, plan
-        if self.cluster.updates(plan):
-            apply_update(self.optimizer, lr)
-        self.model.zero_grad(set_to_none=True)
+        self.engine.update(plan, self.optimizer, lr)
         p = self.progress
         p.last_loss = loss if loss is not None else p.last_loss
         p.tokens_trained += result.samples * dc.seq_len
@@ -327,7 +280,7 @@ class Run:
                "attention_ranks": plan.counts(1)["attention.0"] / dc.grad_accum, "skipped": plan.skipped,
                "busiest_rank_flops": max(per_rank.values(), default=0) / self.flops.normal_rank,
                "replayed_steps": self.policy.replayed_steps, "replay": step + 1 <= p.furthest, "grad_rel_error": rel_error,
-               "backend": self.cluster.extras()}
+               "backend": self.membership.extras()}
         p.furthest = max(p.furthest, step + 1)
         return row, plan
 
@@ -338,17 +291,18 @@ class Run:
                    disable=self.quiet or not sys.stderr.isatty())
         t_last, step, was_skipped = time.perf_counter(), start, False
         while True:
-            step = self.cluster.begin(step)
+            quorum = self.membership.quorum(step, self.schedule, end)
+            step = quorum.step
             if step >= end:
                 break
             back = self.policy.before_step(step, self.schedule, self.model, self.optimizer)
             if back is not None:  # the policy sends the run back (checkpoint-restart's rollback)
                 step = back
                 continue
-            row, plan = self.step(step)
+            row, plan = self.step(step, quorum.failed) if quorum.failed is not None else (None, None)
             if row is None:
                 _log(f"step {step + 1} not committed (a peer failed during it); redoing it", self.quiet)
-                self.cluster.end_step(None)
+                self.membership.end_step(None)
                 continue
             step += 1
             self.policy.after_step(step, self.model, self.optimizer)
@@ -360,7 +314,7 @@ class Run:
                 if val_loss is not None:
                     row["val_loss"] = val_loss
             self.record(row)
-            self.cluster.end_step(row)
+            self.membership.end_step(row)
             bar.update(1)
             bar.set_postfix(loss="skipped" if plan.skipped else f"{row['loss']:.3f}", failed=len(plan.failed))
             if plan.skipped and not was_skipped:
@@ -383,8 +337,9 @@ class Run:
         which the launcher merges) and prints the last line."""
         tc, p = self.cfg.train, self.progress
         val_loss, test_loss = self.evaluate("val"), self.evaluate("test")
-        agreement = self.cluster.agreement()
-        path = self.cluster.summary_path(self.out)
+        agreement = self.engine.agreement()
+        digest = agreement.pop("digest", None)
+        path = self.files.summary_path()
         if path is None:
             return {}
         summary = {
@@ -399,7 +354,7 @@ class Run:
             "skipped_fraction": p.skipped_steps / tc.steps, "rank_agreement": agreement,
             "failure_schedule": {"fraction_failed": self.schedule.fraction_failed(), "events": self.schedule.failure_events()},
             "wall_time_s": p.wall_time_s, "device": str(self.device), "git_commit": git_commit(),
-            "packages": package_versions(), "backend": {"name": self.cfg.cluster.backend, **self.cluster.summary_extras()},
+            "packages": package_versions(), "backend": {"name": self.cfg.cluster.backend, **self.membership.summary_extras(digest)},
         }
         atomic_write_json(path, summary)
         warning = ""
@@ -419,22 +374,22 @@ def run(cfg: Config, out: Path, resume: bool = False, stop_after: int | None = N
                          "(see README, Real failures)")
     if stop_after is not None and stop_after < 1:
         raise UsageError(f"--stop-after {stop_after} must be at least 1 (the step after which to stop)")
-    backend = backend_class(cfg.cluster)
-    rank, device = backend.setup(cfg, resolve_device(cfg.train.device))
+    membership, _ = backend_parts(cfg.cluster)
+    rank, device = membership.setup(cfg, resolve_device(cfg.train.device))
     main, out = rank == 0, Path(out)
 
     def prepare() -> dict:
         """On the main process: OUT's lock, taken before OUT is read or written and held while this process trains
         into it (a second run on the same OUT is refused meanwhile), then what to do with OUT."""
-        made = _missing_folders(out)
+        made = missing_folders(out)
         take_lock(out)
         try:
-            return _prepare_out(out, cfg, resume) | {"made": made}
+            return prepare_out(out, cfg, resume) | {"made": made}
         except BaseException:
-            _give_up(out, made)
+            give_up(out, made)
             raise
 
-    decision = backend.agree(prepare)
+    decision = membership.agree(prepare)
     made = decision.pop("made", [])
     if decision["finished"] is not None:
         if main:
@@ -444,7 +399,7 @@ def run(cfg: Config, out: Path, resume: bool = False, stop_after: int | None = N
         training = Run(cfg, out, device, rank, quiet or not main)
     except BaseException:
         if main:
-            _give_up(out, made)
+            give_up(out, made)
         raise
     try:
         start = training.start(decision["resume"])
@@ -452,28 +407,19 @@ def run(cfg: Config, out: Path, resume: bool = False, stop_after: int | None = N
         training.train(start, end)
         return training.summary() if end == cfg.train.steps else {"stopped_at": end}
     finally:
-        training.cluster.close()
+        training.membership.close()
         if main:
             release_lock(Path(out))
 
 
-def _give_up(out: Path, made: list[Path]) -> None:
-    """A run that refused to start: its lock released, and the folders its lock created removed (nothing else was
-    written in them)."""
-    release_lock(out)
-    for folder in made:
-        with contextlib.suppress(OSError):
-            folder.rmdir()
-
-
-def _failure_free_gradient(cluster, plan, cfg: Config) -> list[torch.Tensor]:
+def _failure_free_gradient(engine, plan, cfg: Config, optimizer) -> list[torch.Tensor]:
     """The aggregated gradient the same step would have had without failures (same batches), computed by
     the ranks alive at this step: each failed rank's micro-batches exactly by its neighbour (ndb-exact's
     plan), so that no rank whose state was lost takes part."""
     reference = policies.plan_step("ndb-exact", plan.step, plan.failed, cfg.cluster.ranks, cfg.data.grad_accum,
                                    cfg.data.micro_batch_size)
-    cluster.step(reference)
-    return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in cluster.model.parameters()]
+    engine.compute(reference, optimizer)
+    return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in engine.model.parameters()]
 
 
 def _relative_error(model: GPT, exact: list[torch.Tensor]) -> float:
@@ -512,23 +458,6 @@ class _FlopModel:
 
     def per_rank(self, plan) -> dict[int, int]:
         return rank_flops(plan, self.piece, self.apply)
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop metric lines written after the checkpoint we resume from (they will be recomputed), and a torn last
-    line (a process killed mid-write leaves one) with a note."""
-    if not path.exists():
-        return
-    lines = [line for line in path.read_text().splitlines() if line]
-    rows = []
-    for i, line in enumerate(lines):
-        try:
-            rows.append((json.loads(line), line))
-        except json.JSONDecodeError:
-            if i != len(lines) - 1:
-                raise UsageError(f"{path}:{i + 1} is not JSON (only a torn last line is dropped); move the file away") from None
-            print(f"note: dropping the torn last line of {path} (the run was killed while writing it)", file=sys.stderr)
-    atomic_write_text(path, "".join(line + "\n" for row, line in rows if row["step"] <= step))
 
 
 def _log(msg: str, quiet: bool) -> None:

@@ -1,0 +1,174 @@
+"""Membership: who is alive at a step, and whether the step counts.
+
+Two answers exist. A schedule's (Static, the local and torch backends): the failure schedule says which
+ranks are down at each step (mecefo.failures), every step commits, and a non-finite loss stops the run.
+torchft's (mecefo.ft.FtMembership): the lighthouse's quorum says who is alive, a replica behind heals from
+a live peer, and a step commits only if every participant finished it.
+
+Contract. mecefo.train.Run, in every process of the run (so that collectives match):
+  before the run   setup(cfg, device) (class: join the processes; returns (rank, device)), open_data(cfg, main),
+                   agree(decide) and shards(cfg) (class: the token data, one decision for every process, the
+                   processes sharing the model's shards under FSDP), then
+                   connect(components, step, engine) -> the step joined at (torchft: a restarted replica's
+                   peers' step, once healed), None if the run ended first
+  each step        quorum(step, schedule, end) -> Quorum   the step to run and the ranks down at it (failed
+                                                      None: a peer died while the failed set was exchanged; the
+                                                      step did not count and is redone); at a step >= end the
+                                                      run is over and the failed set is not asked for
+                   finish(plan, finite) -> COMMIT | REDO | STOP   after the engine computed the step (finite:
+                                                      its loss and gradient norm are); REDO: nothing is applied
+                                                      and the same step runs again
+                   end_step(row)                      after the row is recorded (None: not committed)
+  who writes       io(plan) (this process takes part in an evaluation or a checkpoint), writes(plan) (it writes
+                   the files); plan None: outside a step
+  after the run    extras() (a row's "backend" entries), summary_extras(digest) (summary.json's "backend" entries; digest: the
+                   engine's checksums of this process's or its group's state), close()
+  for the engine   engine_options(shard) -> the engine's all_reduce (SUM in place over the replicas: the ranks,
+                   or torchft's replica groups; absent where one process, or one FSDP group, holds every rank)
+                   and shard_group (this process, and the processes sharing the model's shards with it)
+  for the files    files(out): the run's files (mecefo.runfiles.RunFiles; torchft: one set per replica)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .errors import UsageError
+
+COMMIT, REDO, STOP = "commit", "redo", "stop"
+
+
+@dataclass(frozen=True)
+class Quorum:
+    step: int  # the step to run (torchft: its quorum's; a healed replica jumps to its peers' step)
+    failed: frozenset[int] | None  # the ranks down at it (None: the step is void and redone)
+
+
+class Static:
+    """The failure schedule's membership in one process (the local backend): every rank is simulated here."""
+
+    def __init__(self, cfg, rank: int, device: torch.device, **options):
+        if options:
+            raise TypeError(f"unexpected options {sorted(options)}")
+        self.cfg, self.rank, self.device = cfg, rank, device
+
+    # ------------------------------------------------------------------ processes
+    @classmethod
+    def setup(cls, cfg, device: torch.device) -> tuple[int, torch.device]:
+        return 0, device
+
+    @classmethod
+    def shards(cls, cfg) -> int:
+        """Processes sharing the model's shards under shard='fsdp' (the torch backend: every rank)."""
+        return cfg.cluster.ranks
+
+    @classmethod
+    def open_data(cls, cfg, main: bool):
+        from .data import TokenData
+
+        return TokenData(cfg.data)
+
+    @classmethod
+    def agree(cls, decide):
+        """decide() (rank 0 reads the output folder); its outcome for every process."""
+        return decide()
+
+    def connect(self, components: dict, step: int, engine) -> int | None:
+        return step
+
+    def close(self) -> None:
+        pass
+
+    def engine_options(self, shard: str) -> dict:
+        return {}
+
+    def files(self, out):
+        from .runfiles import RunFiles
+
+        return RunFiles(out, self.rank == 0)
+
+    # ------------------------------------------------------------------ a step
+    def quorum(self, step: int, schedule, end: int) -> Quorum:
+        return Quorum(step, schedule.failed[step] if step < end else frozenset())
+
+    def finish(self, plan, finite: bool) -> str:
+        return COMMIT if finite else STOP
+
+    def end_step(self, row: dict | None) -> None:
+        pass
+
+    # ------------------------------------------------------------------ who writes
+    def io(self, plan) -> bool:
+        return True
+
+    def writes(self, plan) -> bool:
+        return self.rank == 0
+
+    def extras(self) -> dict:
+        return {}
+
+    def summary_extras(self, digest: list | None) -> dict:
+        return {}
+
+
+class TorchStatic(Static):
+    """The failure schedule's membership with one process per rank under torchrun: the processes join the
+    default process group, rank 0 decides for everyone, and every rank takes part in the collectives."""
+
+    @classmethod
+    def setup(cls, cfg, device: torch.device) -> tuple[int, torch.device]:
+        """Join the process group torchrun describes; returns (rank, this rank's device)."""
+        import torch.distributed as dist
+
+        world = int(os.environ.get("WORLD_SIZE", "0"))
+        if world != cfg.cluster.ranks:
+            raise UsageError(f"cluster.backend='torch' needs torchrun with --nproc_per_node {cfg.cluster.ranks} "
+                             f"(WORLD_SIZE={world or 'unset'})")
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        return dist.get_rank(), device
+
+    @classmethod
+    def open_data(cls, cfg, main: bool):
+        """Rank 0 builds the token cache while the others wait, then everyone opens it."""
+        import torch.distributed as dist
+
+        data = Static.open_data(cfg, main) if main else None
+        dist.barrier()
+        return data or Static.open_data(cfg, main)
+
+    @classmethod
+    def agree(cls, decide):
+        """decide() on rank 0, its outcome (or its UsageError) on every rank, so that all ranks reuse a finished
+        run, or all stop, together."""
+        import torch.distributed as dist
+
+        outcome, failure = [None], None
+        if dist.get_rank() == 0:
+            try:
+                outcome[0] = ("ok", decide())
+            except UsageError as e:
+                outcome[0] = ("usage", str(e))
+            except Exception as e:  # anything else: every rank stops, rank 0 with the original error
+                outcome[0], failure = ("crash", f"rank 0 failed: {type(e).__name__}: {e}"), e
+        dist.broadcast_object_list(outcome, src=0)
+        kind, value = outcome[0]
+        if kind == "usage":
+            raise UsageError(value)
+        if kind == "crash":
+            raise failure if failure is not None else RuntimeError(value)
+        return value
+
+    def engine_options(self, shard: str) -> dict:
+        """Unsharded: every rank's sums all-reduced; FSDP: the shard group is every rank (one process each)."""
+        import torch.distributed as dist
+
+        if shard == "fsdp":
+            return {"shard_group": (self.rank, self.cfg.cluster.ranks)}
+        return {"all_reduce": dist.all_reduce}

@@ -1,0 +1,128 @@
+"""Run files: what a run writes into its folder OUT, and the rules for an OUT that already holds something.
+
+OUT/run.lock     held (mecefo.runfolder: an flock the kernel releases however the holder dies) by the process
+                 training or launching into OUT, taken before OUT is read or written
+OUT/config.json  the resolved config and its hash, written first
+OUT/metrics.jsonl, OUT/summary.json   one row per committed step; the summary (mecefo.train)
+OUT/checkpoint.pt   mecefo.checkpoint: written atomically; the last train.keep_checkpoints kept
+torchft (mecefo.ft.ReplicaFiles): each replica writes OUT/replicas/rank<r>.{jsonl,heals.jsonl,summary.json,status},
+which the launcher reads and merges.
+
+The rule for an existing OUT (prepare_out), the same for every entry point: a finished run of this config is
+reused; an interrupted one resumes from its checkpoint; a run of another config, or a folder holding anything
+else, is refused with one line (exit 2), nothing touched.
+
+Contract (RunFiles; mecefo.train.Run calls): metrics_path / summary_path (None: this process writes none),
+owns_out() (this process writes config.json and cuts the metrics back on a resume), status(what) (what this
+process is doing, for whoever watches), write_checkpoint(...) (every process taking part in the checkpoint).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+
+from . import checkpoint
+from .errors import UsageError
+from .records import atomic_write_json, atomic_write_text
+from .runfolder import LOCK, lock_holder, release_lock
+
+
+class RunFiles:
+    """The run's files written by its main process (rank 0) alone."""
+
+    several_writers = False  # whether two processes may write the run's checkpoint at once (torchft: yes)
+
+    def __init__(self, out: Path, main: bool):
+        self.out, self.main = Path(out), main
+
+    def owns_out(self) -> bool:
+        return self.main
+
+    def metrics_path(self) -> Path | None:
+        return self.out / "metrics.jsonl" if self.main else None
+
+    def summary_path(self) -> Path | None:
+        return self.out / "summary.json" if self.main else None
+
+    def status(self, what: str) -> None:
+        """What this process is doing now ("evaluating 40", "checkpointing 40"), for whoever watches (torchft: the
+        replica's status file, which the launcher reads)."""
+
+    def write_config(self, cfg) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(self.out / "config.json", {"config_hash": cfg.hash(), "config": cfg.to_dict()})
+
+    def write_checkpoint(self, step: int, config_hash: str, states: dict, writes: bool, keep: int = 1) -> None:
+        """Write the gathered states (every process that takes part in the checkpoint calls this; `writes`: this
+        one writes the file); keep: how many checkpoints stay (train.keep_checkpoints)."""
+        if writes:
+            checkpoint.save(self.checkpoint_path(), step, config_hash, states, keep_later=self.several_writers, keep=keep)
+
+    def checkpoint_path(self) -> Path:
+        return self.out / "checkpoint.pt"
+
+
+def missing_folders(out: Path) -> list[Path]:
+    """The folders of OUT that do not exist yet (OUT first, then its parents), or a UsageError if OUT cannot be made
+    a run folder; what the run's lock creates, and what is removed again if the run refuses to start."""
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        raise UsageError(f"--out {out} cannot be a run folder: {existing} is "
+                         + ("not a directory" if not existing.is_dir() else "not writable"))
+    return [p for p in (out, *out.parents) if not p.exists()]
+
+
+def prepare_out(out: Path, cfg, resume: bool) -> dict:
+    """Decide what to do with an existing OUT: reuse a finished run ({"finished": summary}), resume from its
+    checkpoint ({"resume": True}), start afresh, or refuse to overwrite (UsageError)."""
+    summary, ckpt = out / "summary.json", out / "checkpoint.pt"
+    holder = lock_holder(out)  # (None where this process holds it)
+    if holder is not None:
+        raise UsageError(f"--out {out} is in use by a live run (pid {holder}, {out / LOCK}); wait for it to end or "
+                         "choose another --out")
+    if summary.exists():
+        done = json.loads(summary.read_text())
+        if done.get("config_hash") == cfg.hash():
+            return {"finished": done, "resume": False}
+        raise UsageError(f"--out {out} holds a finished run of another config (hash {done.get('config_hash')}); "
+                         "choose another --out")
+    if resume and not ckpt.exists():
+        raise UsageError(f"--resume given but {ckpt} does not exist")
+    if ckpt.exists():
+        checkpoint.load(ckpt, cfg.hash())  # refuses another config's checkpoint before anything is touched
+    elif out.exists() and any(p.name != LOCK for p in out.iterdir()):
+        started = out / "config.json"
+        if not (started.exists() and json.loads(started.read_text()).get("config_hash") == cfg.hash()):
+            raise UsageError(f"--out {out} is not empty and holds no run of this config; choose another --out")
+        # our own run, interrupted before its first checkpoint: it starts over
+    return {"finished": None, "resume": ckpt.exists()}
+
+
+def give_up(out: Path, made: list[Path]) -> None:
+    """A run that refused to start: its lock released, and the folders its lock created removed (nothing else was
+    written in them)."""
+    release_lock(out)
+    for folder in made:
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop metric lines written after the checkpoint we resume from (they will be recomputed), and a torn last
+    line (a process killed mid-write leaves one) with a note."""
+    if not path.exists():
+        return
+    lines = [line for line in path.read_text().splitlines() if line]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append((json.loads(line), line))
+        except json.JSONDecodeError:
+            if i != len(lines) - 1:
+                raise UsageError(f"{path}:{i + 1} is not JSON (only a torn last line is dropped); move the file away") from None
+            print(f"note: dropping the torn last line of {path} (the run was killed while writing it)", file=sys.stderr)
+    atomic_write_text(path, "".join(line + "\n" for row, line in rows if row["step"] <= step))
