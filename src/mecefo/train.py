@@ -161,14 +161,17 @@ class Run:
     local, torch, FSDP and torchft. Each step it asks the membership for the quorum, the engine for the step,
     the membership whether it commits, the engine for the update, and tells the membership the step's row."""
 
-    def __init__(self, cfg: Config, out: Path, device: torch.device, rank: int = 0, quiet: bool = False, **options):
-        """options: the membership's own (mecefo.ft: the replica's lighthouse, pacing, rejoining, group)."""
+    def __init__(self, cfg: Config, out: Path, device: torch.device, rank: int = 0, quiet: bool = False, data=None,
+                 **options):
+        """data: the token data (default: the config's, mecefo.data.TokenData; the benches inject a fixed batch: any
+        object with vocab_size, splits and micro_batch(seed, step, rank, micro, n_ranks)); options: the
+        membership's own (mecefo.ft: the replica's lighthouse, pacing, rejoining, group)."""
         self.cfg, self.out, self.device, self.quiet = cfg, Path(out), device, quiet
         cc, tc = cfg.cluster, cfg.train
         membership, engine = backend_parts(cc)
         self.membership = membership(cfg, rank, device, **options)
         self.files = self.membership.files(self.out)
-        self.data = membership.open_data(cfg, rank == 0)
+        self.data = data if data is not None else membership.open_data(cfg, rank == 0)
         self.model_cfg, self.cost_accounting = model_config(cfg, self.data.vocab_size)
         check_memory(cfg, self.model_cfg, device, engine.rows_per_pass(cfg), shards=membership.shards(cfg))
         if cfg.model.hf_config:  # a Hugging Face model (mecefo.hf), seeded as ours
