@@ -90,10 +90,10 @@ def checkpoints(cfg, quick: bool) -> dict[str, str]:
     marks = {"early": max(1, cfg.train.steps // 10), "middle": cfg.train.steps // 2, "late": cfg.train.steps}
     paths = {}
     for name, step in marks.items():
-        path = out / f"checkpoint-{step}.pt"
+        path = out / f"checkpoint-{step}"
         if not path.exists():
             run(cfg, out, stop_after=step, quiet=True)
-            shutil.copy(out / "checkpoint.pt", path)
+            shutil.copytree((out / "checkpoint").resolve(), path)
         paths[name] = str(path)
     return paths
 
@@ -110,7 +110,7 @@ def measure(quick: bool) -> dict:
     work = [(c, e) for c in checkpoints(cfg, quick).items() for e in estimators(quick, n)]
     bar = tqdm(total=len(work), desc="bias/variance", disable=not sys.stderr.isatty())
     for (stage, path) in checkpoints(cfg, quick).items():
-        model.load_state_dict(checkpoint.read(path)["model"])
+        model.load_state_dict(checkpoint.read_model(path))
         ref = reference_gradient(np.stack([sampler.draw("mecefo", frozenset(), 100_000 + i, Techniques(), 0.125)
                                            for i in range(k_ref)]))
         for est in estimators(quick, n):

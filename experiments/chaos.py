@@ -195,9 +195,9 @@ def check(s: Schedule, scratch: Path) -> dict:
 
         claims.append(json.loads((out / "events.json").read_text())["events"])
         result["all_down_checkpoint_step"] = None  # none yet: --resume starts over
-        if (out / "checkpoint.pt").exists():
+        if (out / "checkpoint").exists():
             try:
-                result["all_down_checkpoint_step"] = checkpoint.read(out / "checkpoint.pt")["step"]
+                result["all_down_checkpoint_step"] = checkpoint.read(out / "checkpoint")["step"]
             except UsageError as e:
                 return result | {"lost": f"every rank down, and the checkpoint is not readable: {e}"}
         code, stdout, stderr, more = _launch([*s.args(), "--min_step_s", f"{s.min_step_s:g}", "--quiet", "--resume"],

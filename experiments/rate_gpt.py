@@ -74,7 +74,7 @@ def split_check(quick: bool, start: Path) -> dict:
     cfg = reference_config(quick)
     data = TokenData(cfg.data)
     model = GPT(preset("nano", vocab_size=data.vocab_size))
-    model.load_state_dict(checkpoint.read(start)["model"])
+    model.load_state_dict(checkpoint.read_model(start))
     return {k: held_out_gradient_sq(model, data, k) for k in SPLITS}
 
 
@@ -86,8 +86,8 @@ def reference(quick: bool) -> tuple[Path, list[dict]]:
     steps = cfg.train.steps
     out = run_dir("rate_gpt", cfg)
     curve_path = out / "grad_sq_curve.json"
-    if curve_path.exists() and (out / "checkpoint.pt").exists():
-        return out / "checkpoint.pt", json.loads(curve_path.read_text())
+    if curve_path.exists() and (out / "checkpoint").exists():
+        return out / "checkpoint", json.loads(curve_path.read_text())
     training = Run(cfg, out, torch.device("cpu"), quiet=True)
     training.start(resume=False)
     marks, curve = {steps >> k for k in range(6)}, []
@@ -100,7 +100,7 @@ def reference(quick: bool) -> tuple[Path, list[dict]]:
     training.save(steps)
     training.metrics.close()
     atomic_write_json(curve_path, curve)
-    return out / "checkpoint.pt", curve
+    return out / "checkpoint", curve
 
 
 SPLITS = {  # how the held-out windows (in text order) are assigned to the two halves
@@ -142,7 +142,7 @@ def one_run(policy: str, n: int, steps: int, seed: int, start: Path, c: float = 
                                  "seconds_per_step": SECONDS_PER_STEP})
     out = run_dir("rate_gpt/runs", cfg)
     training = Run(cfg, out, torch.device("cpu"), quiet=True)
-    training.model.load_state_dict(checkpoint.read(start)["model"])
+    training.model.load_state_dict(checkpoint.read_model(start))
     training.start(resume=False)
     points = sorted({round(k * steps / EVAL_POINTS) for k in range(EVAL_POINTS + 1)})
     estimates, failed_steps = [], 0

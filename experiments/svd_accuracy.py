@@ -52,10 +52,10 @@ def decaying(m: int, n: int, alpha: float, seed: int) -> torch.Tensor:
 
 
 def matrices(profile: str) -> list[tuple[str, torch.Tensor]]:
-    ckpt = failure_free_run(profile == "quick") / "checkpoint.pt"
+    ckpt = failure_free_run(profile == "quick") / "checkpoint"
     out = []
     if ckpt.exists():
-        state = checkpoint.read(ckpt)["model"]
+        state = checkpoint.read_model(ckpt)
         layers = sorted({k.split(".")[1] for k in state if k.startswith("layers.")}, key=int)
         for l in (layers[0], layers[-1]):
             for proj in ("gate_proj", "up_proj", "down_proj"):

@@ -48,10 +48,10 @@ def metrics(out) -> list[dict]:
 
 
 def model_params(out) -> dict:
-    """The model's tensors in OUT/checkpoint.pt."""
+    """The model's tensors in OUT/checkpoint."""
     from mecefo import checkpoint
 
-    return checkpoint.read(out / "checkpoint.pt")["model"]
+    return checkpoint.read_model(out / "checkpoint")
 
 
 def subprocess_env(**extra) -> dict:

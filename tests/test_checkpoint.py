@@ -1,5 +1,6 @@
-"""mecefo.checkpoint's earlier checkpoints (train.keep_checkpoints): the latest is always checkpoint.pt, whole; the
-K - 1 highest steps written before it stay beside it, each holding what was written at its step."""
+"""mecefo.checkpoint: the latest is always OUT/checkpoint (a link to a whole folder); the K - 1 highest steps written
+before it stay beside it (train.keep_checkpoints), each holding what was written at its step; DCP checkpoints load
+into another layout."""
 
 import pytest
 from hypothesis import given, settings
@@ -16,7 +17,7 @@ from tests.conftest import NANO
 @given(steps=st.lists(st.integers(0, 30), min_size=1, max_size=12), keep=st.integers(1, 4))
 def test_the_latest_and_the_highest_earlier_steps_are_kept_each_with_its_own_contents(tmp_path_factory, steps, keep):
     """Any sequence of writes, rollbacks (a lower step after a higher one) and rewrites of a step included."""
-    path = tmp_path_factory.mktemp("ckpt") / "checkpoint.pt"
+    path = tmp_path_factory.mktemp("ckpt") / "checkpoint"
     written = {}  # step -> the write (its index) that was current last at that step, before being replaced
     for i, step in enumerate(steps):
         if i:
@@ -37,9 +38,9 @@ def test_keep_checkpoints_is_checked_and_does_not_change_a_runs_identity(nano_cf
 
 
 def test_a_run_keeps_its_earlier_checkpoints_and_resumes_from_one_copied_back(tmp_path):
-    """--keep_checkpoints 2 over checkpoints at steps 4 and 8: step 4 stays beside the latest; copied back over
-    checkpoint.pt, --resume trains steps 5-8 again, to the same losses (the CPU run is deterministic)."""
-    import shutil
+    """--keep_checkpoints 2 over checkpoints at steps 4 and 8: step 4 stays beside the latest; linked back as
+    OUT/checkpoint, --resume trains steps 5-8 again, to the same losses (the CPU run is deterministic)."""
+    import os
 
     from tests.conftest import metrics
 
@@ -47,9 +48,10 @@ def test_a_run_keeps_its_earlier_checkpoints_and_resumes_from_one_copied_back(tm
     args = [*NANO, "--steps", "8", "--eval_every", "8", "--checkpoint_every", "4", "--quiet", "--out", str(out)]
     assert main([*args, "--keep_checkpoints", "2"]) == 0
     first = [r["loss"] for r in metrics(out)[1:]]
-    assert [p.name for p in checkpoint.earlier(out / "checkpoint.pt")] == ["checkpoint.step-00000004.pt"]
-    assert checkpoint.read(out / "checkpoint.step-00000004.pt")["step"] == 4
-    shutil.copy(out / "checkpoint.step-00000004.pt", out / "checkpoint.pt")
+    kept = checkpoint.earlier(out / "checkpoint")
+    assert [p.name.split("-")[1] for p in kept] == ["00000004"] and checkpoint.read(kept[0])["step"] == 4
+    (out / "checkpoint").unlink()
+    os.symlink(kept[0].name, out / "checkpoint")
     (out / "summary.json").unlink()  # (a finished run is reused, not resumed)
     assert main([*args, "--keep_checkpoints", "2", "--resume"]) == 0
     assert [r["loss"] for r in metrics(out)[1:]] == first

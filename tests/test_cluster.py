@@ -193,7 +193,7 @@ def test_all_ranks_down_skips_the_step_or_stops(tmp_path, capsys):
     assert main(args + ["--all_down", "error", "--checkpoint_every", "1", "--out", str(tmp_path / "error")]) == 3
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "step 3: all 2 ranks are down" in err
-    assert checkpoint.read(tmp_path / "error" / "checkpoint.pt")["step"] == 2  # the last good one
+    assert checkpoint.read(tmp_path / "error" / "checkpoint")["step"] == 2  # the last good one
 
 
 def test_a_run_that_skips_most_of_its_steps_says_so(tmp_path, capsys):

@@ -63,7 +63,7 @@ def test_every_replica_dead_stops_with_the_last_checkpoint_intact(tmp_path):
                 "--kill", "0:12", "--kill", "1:12")
     assert r.returncode == 3, r.stdout[-2000:] + r.stderr[-2000:]
     assert "all 2 replicas are dead" in r.stderr and "--resume" in r.stderr
-    ckpt = checkpoint.read(out / "checkpoint.pt")
+    ckpt = checkpoint.read(out / "checkpoint")
     assert ckpt["step"] % 5 == 0 and 5 <= ckpt["step"] <= 15
 
 
@@ -105,6 +105,30 @@ def test_fsdp_replica_groups_survive_a_process_kill_and_a_group_kill_and_equal_t
     for a, b in zip(rows[1:], metrics(twin)[1:], strict=True):
         assert a["failed"] == b["failed"] and a["loss"] == pytest.approx(b["loss"], rel=1e-5)
     assert summary["final_val_loss"] == pytest.approx(json.loads((twin / "summary.json").read_text())["final_val_loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_an_fsdp_checkpoint_resumes_on_another_group_size_and_equals_its_twin(tmp_path):
+    """Groups of 2 processes write their checkpoint shard by shard (DCP: each process its own file); every replica
+    dies at step 10; --resume with groups of 1 process (another world size: each reads the whole model from the
+    2-way shards) completes the run, each step once, and the loss curve is the local backend's."""
+    out, twin = tmp_path / "ft", tmp_path / "twin"
+    args = ["--ranks", "2", "--steps", "12", "--eval_every", "12", "--checkpoint_every", "4"]
+    r = launch(out, *args, "--shard", "fsdp", "--group_size", "2", "--min-step-s", "0.1", "--kill", "0:10",
+               "--kill", "1:10", timeout=300)
+    assert r.returncode == 3 and "replicas are dead" in r.stderr, r.stderr[-2000:]
+    written = (out / "checkpoint").resolve()
+    assert sorted(p.name for p in written.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    at = checkpoint.read(out / "checkpoint")["step"]
+    assert at == 8
+    r = launch(out, *args, "--shard", "fsdp", "--group_size", "1", "--resume", timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"resuming {out} from step {at}" in (out / "replicas" / "rank0.log").read_text()
+    rows = metrics(out)
+    assert [row["step"] for row in rows] == list(range(0, 13))
+    assert train_main([*NANO, *args, "--quiet", "--out", str(twin)]) == 0
+    for a, b in zip(rows[1:], metrics(twin)[1:], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
 
 
 @given(st.integers(1, 8), st.integers(0, 7), st.integers(1, 8), st.integers(1, 5))
@@ -155,7 +179,7 @@ def test_resume_after_every_replica_died_completes_the_run(tmp_path):
     r = launch(out, "--ranks", "2", "--steps", "30", "--checkpoint_every", "5", "--min-step-s", "0.05", "--kill", "0:12",
                 "--kill", "1:12")
     assert r.returncode == 3 and "all 2 replicas are dead" in r.stderr, r.stderr[-2000:]
-    at = checkpoint.read(out / "checkpoint.pt")["step"]
+    at = checkpoint.read(out / "checkpoint")["step"]
     r = launch(out, "--ranks", "2", "--steps", "30", "--checkpoint_every", "5", "--resume")
     assert r.returncode == 0, r.stderr[-2000:]
     assert f"resuming {out} from step {at}" in (out / "replicas" / "rank0.log").read_text()

@@ -132,8 +132,8 @@ def test_resume_under_failures_is_bit_identical(policy, tmp_path):
     whole = run(cfg, tmp_path / "whole", quiet=True)
     run(cfg, tmp_path / "parts", stop_after=5, quiet=True)
     parts = run(cfg, tmp_path / "parts", resume=True, quiet=True)
-    a = checkpoint.read(tmp_path / "whole" / "checkpoint.pt")
-    b = checkpoint.read(tmp_path / "parts" / "checkpoint.pt")
+    a = {"model": checkpoint.read_model(tmp_path / "whole" / "checkpoint")}
+    b = {"model": checkpoint.read_model(tmp_path / "parts" / "checkpoint")}
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     strip = lambda rows: [{k: v for k, v in r.items() if k not in ("tokens_per_s", "wall_time_s")} for r in rows]  # noqa: E731
     rows = [metrics(tmp_path / d) for d in ("whole", "parts")]

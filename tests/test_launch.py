@@ -143,7 +143,7 @@ def test_a_step_redone_by_a_replica_whose_first_version_was_not_discarded_is_a_s
 def test_resume_point_drops_what_came_after_the_checkpoint(tmp_path):
     rows = {0: [{"step": 0, "val_loss": 6.0, "tokens_seen": 0}, _row(1, 0, 1.0), _row(2, 0, 2.0), _row(3, 0, 3.0)]}
     _replicas(tmp_path, rows, heals={0: [{"healed_at_step": 1, "time": 1.0}, {"healed_at_step": 3, "time": 3.0}]})
-    checkpoint.save(tmp_path / "checkpoint.pt", 2, CFG.hash(), {})
+    checkpoint.save(tmp_path / "checkpoint", 2, CFG.hash(), {})
     assert resume_point(tmp_path, CFG) == 2
     kept = [json.loads(line)["step"] for line in (tmp_path / "replicas" / "rank0.jsonl").read_text().splitlines()]
     assert kept == [0, 1, 2]
@@ -153,12 +153,13 @@ def test_resume_point_drops_what_came_after_the_checkpoint(tmp_path):
 
 
 def test_a_checkpoint_of_another_config_or_a_torn_one_is_refused(tmp_path):
-    checkpoint.save(tmp_path / "checkpoint.pt", 2, "another", {})
+    checkpoint.save(tmp_path / "checkpoint", 2, "another", {})
     with pytest.raises(UsageError, match="belongs to another config"):
         resume_point(tmp_path, CFG)
-    (tmp_path / "checkpoint.pt").write_bytes((tmp_path / "checkpoint.pt").read_bytes()[:40])
+    state = tmp_path / "checkpoint" / "state.pt"
+    state.write_bytes(state.read_bytes()[:40])
     with pytest.raises(UsageError, match="cannot be read as data"):
-        checkpoint.load(tmp_path / "checkpoint.pt", CFG.hash())
+        checkpoint.load(tmp_path / "checkpoint", CFG.hash())
 
 
 def test_torn_rows_are_dropped_on_merge_and_on_resume_and_repaired_before_appending(tmp_path):
@@ -180,7 +181,7 @@ def test_torn_rows_are_dropped_on_merge_and_on_resume_and_repaired_before_append
     assert [m["step"] for m in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())] == [0, 1, 2, 3]
     assert repair_tail(tmp_path / "replicas" / "rank0.jsonl") and not repair_tail(tmp_path / "replicas" / "rank0.jsonl")
     assert (tmp_path / "replicas" / "rank0.jsonl").read_text().endswith('"time": 12.0}}\n')
-    checkpoint.save(tmp_path / "checkpoint.pt", 3, CFG.hash(), {})
+    checkpoint.save(tmp_path / "checkpoint", 3, CFG.hash(), {})
     assert resume_point(tmp_path, CFG) == 3
     assert read_rows(path)[1] == 0  # rewritten whole
 
@@ -240,11 +241,11 @@ def test_stall_and_lighthouse_specs():
 
 def test_a_checkpoint_write_never_replaces_a_later_step_nor_leaves_dead_writers_files(tmp_path):
     """A writer stalled before its rename wakes after its successor wrote a later step: the later one stays. A dead
-    writer's temporary file is removed by the next write; a live writer's is left alone."""
+    writer's temporary folder is removed by the next write; a live writer's is left alone."""
     import os
     import subprocess
 
-    path = tmp_path / "checkpoint.pt"
+    path = tmp_path / "checkpoint"
     checkpoint.save(path, 20, CFG.hash(), {}, keep_later=True)
     checkpoint.save(path, 10, CFG.hash(), {}, keep_later=True)  # the stalled one
     assert checkpoint.read(path)["step"] == 20
@@ -254,11 +255,12 @@ def test_a_checkpoint_write_never_replaces_a_later_step_nor_leaves_dead_writers_
     dead.wait()
     live = subprocess.Popen(["sleep", "30"])
     try:
-        (tmp_path / f".checkpoint.pt.{dead.pid}.tmp").write_bytes(b"partial")
-        (tmp_path / f".checkpoint.pt.{live.pid}.tmp").write_bytes(b"being written")
+        for pid in (dead.pid, live.pid):
+            (tmp_path / f".checkpoint.{pid}.1.tmp").mkdir()
+            (tmp_path / f".checkpoint.{pid}.1.tmp" / "state.pt").write_bytes(b"partial")
         checkpoint.save(path, 30, CFG.hash(), {}, keep_later=True)
-        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["checkpoint.pt", f".checkpoint.pt.{live.pid}.tmp"])
-        assert checkpoint.read(path)["step"] == 30 and os.path.getsize(path) > 0
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [f".checkpoint.{live.pid}.1.tmp"]
+        assert checkpoint.read(path)["step"] == 30 and os.path.getsize(path / "state.pt") > 0
     finally:
         live.kill()
         live.wait()

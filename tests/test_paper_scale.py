@@ -166,8 +166,9 @@ def test_torch_backend_tracks_grad_error_like_local_and_reuses_a_finished_run(tm
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["mecefo", "spread-mecefo"])
 def test_fsdp_sharded_and_unsharded_runs_end_with_equal_parameters(tmp_path, policy):
-    """nano on 4 gloo ranks over failures of ranks 1 and 0; sharded vs unsharded, and (mecefo) runs stopped at
-    step 5 (rank 1 down) and resumed, each bit-identical to its uninterrupted twin."""
+    """nano on 4 gloo ranks over failures of ranks 1 and 0; sharded vs unsharded (the FSDP checkpoint written by
+    every rank, shard by shard, and read whole in one process), and (mecefo) runs stopped at step 5 (rank 1 down)
+    and resumed, each bit-identical to its uninterrupted twin."""
     trace = tmp_path / "trace.csv"
     trace.write_text(TRACE)
     args = NANO + ["--steps", "10", "--eval_every", "5", "--failures", str(trace), "--seconds_per_step", "1",
@@ -179,7 +180,9 @@ def test_fsdp_sharded_and_unsharded_runs_end_with_equal_parameters(tmp_path, pol
     for out, extra in runs if resumes else runs[:2]:
         proc = torchrun(4, args + extra + ["--out", str(tmp_path / out)])
         assert proc.returncode == 0, proc.stderr[-3000:]
-    plain, fsdp = model_params(tmp_path / "plain"), model_params(tmp_path / "fsdp")
+    plain, fsdp = model_params(tmp_path / "plain"), model_params(tmp_path / "fsdp")  # (FSDP's shards read whole)
+    written = (tmp_path / "fsdp" / "checkpoint").resolve()
+    assert sorted(p.name for p in written.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]  # each its own
     for name in plain:
         assert torch.allclose(plain[name], fsdp[name], atol=1e-5, rtol=1e-4), name
     if resumes:
@@ -221,7 +224,7 @@ def test_a_non_finite_loss_stops_the_run_naming_the_step_and_keeps_the_checkpoin
     assert main(args) == 3
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith("stopped: step 5: non-finite training loss nan")
-    assert checkpoint.read(out / "checkpoint.pt")["step"] == 4  # the last good one, untouched
+    assert checkpoint.read(out / "checkpoint")["step"] == 4  # the last good one, untouched
     assert [r["step"] for r in metrics(out)[1:]] == [1, 2, 3, 4]
     assert not (out / "summary.json").exists()
 

@@ -2,6 +2,7 @@ import dataclasses
 import json
 import math
 import os
+import pickle
 import subprocess
 import sys
 
@@ -39,8 +40,8 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(nano_cfg, tmp_path):
     whole = run(cfg, tmp_path / "whole", quiet=True)
     assert run(cfg, tmp_path / "split", stop_after=7, quiet=True) == {"stopped_at": 7}
     resumed = run(cfg, tmp_path / "split", resume=True, quiet=True)
-    a = checkpoint.read(tmp_path / "whole" / "checkpoint.pt")
-    b = checkpoint.read(tmp_path / "split" / "checkpoint.pt")
+    a = {"model": checkpoint.read_model(tmp_path / "whole" / "checkpoint")}
+    b = {"model": checkpoint.read_model(tmp_path / "split" / "checkpoint")}
     for name, tensor in a["model"].items():
         assert torch.equal(tensor, b["model"][name]), name
     assert whole["final_val_loss"] == resumed["final_val_loss"]
@@ -260,13 +261,17 @@ def test_a_checkpoint_is_read_as_data_never_as_code(nano_cfg, tmp_path, capsys, 
     argv = ["--config", str(CONFIGS / "nano.toml"), "--steps", "4", "--eval_every", "2", "--checkpoint_every", "2",
             "--out", str(out), "--quiet"]
     assert main(argv + ["--stop-after", "2"]) == 0
-    # our own file (model, optimizer, RNG states, numpy's too), read whole: it is rewritten below
-    ckpt = torch.load(out / "checkpoint.pt", weights_only=False)
-    torch.save({**ckpt, "policy": _Payload()}, out / "checkpoint.pt")
-    assert main(argv + ["--resume"]) == 2
-    err = capsys.readouterr().err
-    assert "cannot be read as data" in err and err.count("\n") == 1 and not (tmp_path / "PWNED").exists()
-    torch.save(ckpt, out / "checkpoint.pt")  # the untampered checkpoint resumes
+    # our own files (RNG states, numpy's too; DCP's metadata), read whole: they are rewritten below
+    state, metadata = out / "checkpoint" / "state.pt", out / "checkpoint" / ".metadata"
+    ckpt, meta = torch.load(state, weights_only=False), metadata.read_bytes()
+    for tampered in (lambda: torch.save({**ckpt, "policy": _Payload()}, state),
+                     lambda: metadata.write_bytes(pickle.dumps(_Payload()))):  # DCP's metadata is a pickle too
+        tampered()
+        assert main(argv + ["--resume"]) == 2
+        err = capsys.readouterr().err
+        assert "cannot be read as data" in err and err.count("\n") == 1 and not (tmp_path / "PWNED").exists()
+        torch.save(ckpt, state)  # the untampered checkpoint resumes
+        metadata.write_bytes(meta)
     assert main(argv + ["--resume"]) == 0
 
 

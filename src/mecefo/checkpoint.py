@@ -1,25 +1,44 @@
-"""Checkpoints: one protocol for every stateful part of a run.
+"""Checkpoints: one protocol for every stateful part of a run, written with torch.distributed.checkpoint (DCP).
 
-A checkpoint is {"step", "config_hash"} plus one entry per component, each taken from the component's
-`state_dict()` and given back through its `load_state_dict()`: the model, the optimizer, the RNG states,
-the low-rank subspaces with their epoch, the policy's own state (checkpoint-restart's snapshot), the
-run's counters. The data position is the step (a micro-batch is a pure function of it). Written to a
-temporary file and renamed, so a checkpoint on disk is always whole. With train.keep_checkpoints K > 1 the K - 1
-highest-step checkpoints that were current before the latest stay beside it as checkpoint.step-S.pt (to go back to one: copy it
-over checkpoint.pt and --resume).
+A checkpoint is a folder. Its model and optimizer are written by DCP (`.metadata` and `__<rank>_<i>.distcp`
+files), from the engine's own layout: under FSDP2 every process writes its own shards (no process gathers
+the model), otherwise the one writing process writes the whole; the tensors are keyed by parameter name
+(torch.distributed.checkpoint.state_dict), so a checkpoint loads into another layout: FSDP2 over another
+number of processes, or one process holding the whole model (a twin, a resume, an analysis). Only tensors go
+through DCP (read back with weights_only, after its `.metadata` has been checked to hold nothing but DCP's
+own records: no pickled code runs). Everything else goes to `state.pt`, written by the writer and read as
+data only (weights_only): the optimizer's hyperparameters and non-tensor state,
+{"step", "config_hash"} and one entry per small component, each from its `state_dict()` and given back
+through its `load_state_dict()`: the RNG states, the low-rank subspaces with their epoch, the policy's own
+state (checkpoint-restart's snapshot), the run's counters. The data position is the step (a micro-batch is
+a pure function of it).
+
+On disk: OUT/checkpoint.step-<S>-<id>/ folders, each written whole in a temporary folder first (flushed to
+the disk), then renamed; OUT/checkpoint is a symbolic link to the current one, replaced atomically, so a
+writer killed at any moment leaves the previous checkpoint whole. With train.keep_checkpoints K > 1 the
+K - 1 highest-step checkpoints that were current before the latest stay beside it (to go back to one:
+`ln -sfn checkpoint.step-<S>-<id> OUT/checkpoint`, then --resume).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pickle
 import random
+import shutil
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from .errors import UsageError
+
+NAME = "checkpoint"  # OUT/checkpoint: the link to the current checkpoint folder
+STATE = "state.pt"  # in a checkpoint folder: the step, the config hash and the small components
+TENSORS = ("model", "optimizer")  # the components written by DCP
 
 
 class RNG:
@@ -42,64 +61,169 @@ class Component:
 
 
 def gather(components: dict) -> dict:
-    """Every component's state (under FSDP some are collectives: every rank calls this)."""
-    return {name: c.state_dict() for name, c in components.items()}
+    """Every small component's state (the model and optimizer go through DCP: tensors())."""
+    return {name: c.state_dict() for name, c in components.items() if name not in TENSORS}
+
+
+def tensors(model: torch.nn.Module, optimizer) -> dict:
+    """The model's and optimizer's state keyed by parameter name, in the model's own layout (FSDP2: this
+    process's shards, as DTensors)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optimizer_state}
 
 
 WRITE_DELAY_ENV = "MECEFO_CHECKPOINT_DELAY_S"  # tests, the chaos harness: hold each write before its rename (a big model's)
 
 
-def save(path: Path, step: int, config_hash: str, states: dict, keep_later: bool = False, keep: int = 1) -> None:
-    """Write to a temporary file of this process's own (two writers, e.g. a stalled one and its successor, never
-    share one), flushed to the disk, then renamed over the checkpoint: a writer killed at any moment leaves the
-    previous checkpoint whole. With keep_later (several writers: torchft), a writer that finds a later step already
-    there (it was stalled while its successor wrote) keeps that one; without it a lower step replaces a higher one,
-    as after checkpoint-restart's rollback. Temporary files of writers no longer alive are removed. keep > 1: the
-    checkpoint being replaced stays as an earlier one (keep_earlier)."""
+def save(path: Path, step: int, config_hash: str, states: dict, tensor_states: dict | None = None, *,
+         collective: bool = False, writer: bool = True, keep_later: bool = False, keep: int = 1) -> None:
+    """Write a checkpoint and make it the current one at path (OUT/checkpoint).
+
+    tensor_states (tensors()) go through DCP: with collective, every process of the default process group calls
+    this (FSDP2: each writes its shards; `writer` is the one that also writes state.pt and renames); otherwise
+    only the writer calls it. The folder is written under a temporary name of the writer's own (two writers, e.g.
+    a stalled one and its successor, never share one), then renamed and linked. With keep_later (several writers:
+    torchft), a writer that finds a later step already current (it was stalled while its successor wrote) keeps
+    that one; without it a lower step replaces a higher one, as after checkpoint-restart's rollback. keep > 1:
+    the K - 1 highest steps current before stay beside it. Temporary folders of writers no longer alive are
+    removed."""
+    import torch.distributed as dist
+
     path = Path(path)
-    for stale in path.parent.glob(f".{path.name}.*.tmp"):
-        pid = stale.name.rsplit(".", 2)[-2]
-        if pid.isdigit() and not _alive(int(pid)):
-            stale.unlink(missing_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    if not (writer or collective):
+        return
+    if tensor_states is not None:  # only tensors through DCP: the rest to state.pt
+        tensor_states, rest = _split(tensor_states)
+        states = {**states, **rest}
+    name = [f".{path.name}.{os.getpid()}.{time.time_ns()}.tmp" if writer else None]
+    if collective and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(name, src=_writer_rank(writer))  # one folder for every process's shards
+    tmp = path.parent / name[0]
     try:
-        with open(tmp, "wb") as f:
-            torch.save({"step": step, "config_hash": config_hash, **states}, f)
-            f.flush()
-            os.fsync(f.fileno())
+        if writer:
+            _remove_stale(path)
+            tmp.mkdir(parents=True)
+        if collective and dist.is_initialized():
+            dist.barrier()  # (the folder exists before anyone writes into it)
+        if tensor_states is not None:
+            import torch.distributed.checkpoint as dcp
+
+            with _quiet():
+                dcp.save(tensor_states, checkpoint_id=tmp, no_dist=not collective)
+        if not writer:
+            return
+        _write_state(tmp / STATE, {"step": step, "config_hash": config_hash, **states})
         delay = float(os.environ.get(WRITE_DELAY_ENV, "0") or 0)
         if delay:
             time.sleep(delay)
         if keep_later and path.exists() and _step_of(path) > step:
-            tmp.unlink()
+            shutil.rmtree(tmp, ignore_errors=True)
             return
-        if keep > 1:
-            keep_earlier(path, keep - 1)
-        os.replace(tmp, path)
+        final = path.parent / f"{path.name}.step-{step:08d}-{name[0].rsplit('.', 2)[1]}"
+        os.rename(tmp, final)
+        _fsync_dir(path.parent)
+        link = path.parent / f".{path.name}.{os.getpid()}.link"
+        link.unlink(missing_ok=True)
+        os.symlink(final.name, link)
+        if path.exists() and not path.is_symlink():
+            raise UsageError(f"{path} is not a checkpoint link (written by an older version?); move it away")
+        os.replace(link, path)
+        _fsync_dir(path.parent)
+        _prune(path, keep - 1)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        if writer:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
+def _split(tensor_states: dict) -> tuple[dict, dict]:
+    """(the model's and optimizer's tensors, the rest: the optimizer's param_groups and any non-tensor state)."""
+    optimizer = tensor_states["optimizer"]
+    state, extra = {}, {}
+    for name, entry in optimizer["state"].items():
+        state[name] = {k: v for k, v in entry.items() if torch.is_tensor(v)}
+        if len(state[name]) < len(entry):
+            extra[name] = {k: v for k, v in entry.items() if not torch.is_tensor(v)}
+    return ({"model": tensor_states["model"], "optimizer": {"state": state}},
+            {"optimizer_param_groups": optimizer["param_groups"], "optimizer_extra": extra})
+
+
+@contextlib.contextmanager
+def _quiet():
+    """DCP in one process warns that it assumes one process: it is meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _writer_rank(writer: bool) -> int:
+    """The rank (in the default process group) of the process that writes state.pt (a collective)."""
+    import torch.distributed as dist
+
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, dist.get_rank() if writer else None)
+    found = [r for r in ranks if r is not None]
+    if len(found) != 1:
+        raise RuntimeError(f"a checkpoint needs exactly one writer among the processes sharing it, found {found}")
+    return found[0]
+
+
+def _write_state(path: Path, state: dict) -> None:
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_stale(path: Path) -> None:
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):
+        pid = stale.name[len(path.name) + 2:].split(".")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _written(path: Path) -> list[tuple[int, int, Path]]:
+    """Every checkpoint folder beside path: (step, when written, folder)."""
+    found = []
+    for p in path.parent.glob(f"{path.name}.step-*-*"):
+        step, _, written = p.name[len(path.name) + len(".step-"):].partition("-")
+        if p.is_dir() and step.isdigit() and written.isdigit():
+            found.append((int(step), int(written), p))
+    return sorted(found)
+
+
 def earlier(path: Path) -> list[Path]:
-    """The earlier checkpoints kept beside path, by step."""
+    """The earlier checkpoints kept beside the current one at path, by step."""
     path = Path(path)
-    return sorted(path.parent.glob(f"{path.stem}.step-*{path.suffix}"))  # (8-digit steps: by name is by step)
+    current = path.resolve() if path.exists() else None
+    return [p for _, _, p in _written(path) if p.resolve() != current]
 
 
-def keep_earlier(path: Path, n: int) -> None:
-    """Before path is replaced: its file also named path.step-S (a hard link: no copy, and the rename over it is
-    atomic; a step written again, after a rollback, replaces its earlier version), then only the n highest steps of
-    those kept."""
-    path = Path(path)
-    old = _step_of(path) if path.exists() else -1
-    if old >= 0:
-        link = path.with_name(f".{path.stem}.{os.getpid()}.link")
-        link.unlink(missing_ok=True)
-        os.link(path, link)
-        os.replace(link, path.with_name(f"{path.stem}.step-{old:08d}{path.suffix}"))
-    for stale in earlier(path)[:-n]:
-        stale.unlink(missing_ok=True)
+def _prune(path: Path, n: int) -> None:
+    """Keep the current checkpoint and, of the others, the latest written of each step, the n highest steps."""
+    current = path.resolve()
+    latest: dict[int, Path] = {}
+    drop = []
+    for step, _, p in _written(path):  # (by step, then by when written)
+        if p.resolve() == current:
+            continue
+        if step in latest:
+            drop.append(latest[step])
+        latest[step] = p
+    steps = sorted(latest)
+    drop += [latest[s] for s in (steps[:-n] if n > 0 else steps)]
+    for p in drop:
+        shutil.rmtree(p, ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:
@@ -127,17 +251,64 @@ def _data_types() -> list:
 
 
 def read(path: Path) -> dict:
-    """A checkpoint file's contents, read as data (weights_only: no pickled code runs), memory-mapped so that
-    reading its hash, or one component, does not read every tensor; a one-line UsageError if unreadable."""
+    """A checkpoint's small state (step, config hash, the components but the model and optimizer), read as data
+    (weights_only), memory-mapped; a one-line UsageError if unreadable."""
     try:
         with torch.serialization.safe_globals(_data_types()):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            return torch.load(Path(path) / STATE, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:
         raise UsageError(f"checkpoint {path} cannot be read as data ({type(e).__name__}); delete it to start over") from None
 
 
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's `.metadata` is a pickle: unpickled here with nothing but DCP's own records allowed, so that a
+    tampered one is refused before DCP unpickles it."""
+
+    ALLOWED = {("pathlib", "PosixPath"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+               ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("collections", "OrderedDict")}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self.ALLOWED or module == "torch.distributed.checkpoint.metadata" or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not a checkpoint record")
+
+
+def _checked(path: Path) -> Path:
+    """path, once its DCP metadata holds DCP's records and tensors only (else a one-line UsageError)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        with open(Path(path) / ".metadata", "rb") as f:
+            meta = _MetadataUnpickler(f).load()
+        if not all(isinstance(m, TensorStorageMetadata) for m in meta.state_dict_metadata.values()):
+            raise ValueError("non-tensor items")
+    except Exception as e:
+        raise UsageError(f"checkpoint {path} cannot be read as data ({type(e).__name__}); delete it to start over") from None
+    return Path(path)
+
+
+def read_model(path: Path) -> dict:
+    """The whole model's state dict from a checkpoint, whatever the layout that wrote it (one process, this one)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict = {}
+    try:
+        with _quiet():
+            _load_state_dict(state, storage_reader=FileSystemReader(_checked(path)),
+                             planner=_EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
+    except UsageError:
+        raise
+    except Exception as e:
+        raise UsageError(f"checkpoint {path}: its model cannot be read ({type(e).__name__}: {e})") from None
+    return state["model"]
+
+
 def load(path: Path, config_hash: str) -> dict:
-    """The checkpoint at path, refusing an unreadable one or another config's with a one-line UsageError."""
+    """The checkpoint's small state at path, refusing an unreadable one or another config's with a one-line
+    UsageError."""
     ckpt = read(path)
     if ckpt.get("config_hash") != config_hash:
         raise UsageError(f"checkpoint {path} belongs to another config (hash {ckpt.get('config_hash')} != "
@@ -145,11 +316,34 @@ def load(path: Path, config_hash: str) -> dict:
     return ckpt
 
 
+def load_tensors(path: Path, model: torch.nn.Module, optimizer, collective: bool = False) -> None:
+    """The checkpoint's model and optimizer into this process's (its layout: whole, or FSDP2 shards; with
+    collective every process of the default process group calls this and reads its own shards). An optimizer
+    without state for a parameter in the checkpoint (it had no gradient yet) gets none here either."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    reader = dcp.FileSystemReader(_checked(path))
+    written = reader.read_metadata().state_dict_metadata
+    rest = read(path)
+    state, _ = _split(tensors(model, optimizer))  # (materialises every parameter's optimizer state, as a destination)
+    state["optimizer"]["state"] = {name: entry for name, entry in state["optimizer"]["state"].items()
+                                   if any(k.startswith(f"optimizer.state.{name}.") for k in written)}
+    with _quiet():
+        dcp.load(state, storage_reader=reader, no_dist=not collective)
+    for name, entry in rest.get("optimizer_extra", {}).items():
+        state["optimizer"]["state"].setdefault(name, {}).update(entry)
+    state["optimizer"]["param_groups"] = rest["optimizer_param_groups"]
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
 def restore(ckpt: dict, components: dict) -> int:
-    """Give every component its state back; returns the step to continue from."""
-    missing = sorted(set(components) - set(ckpt))
+    """Give every small component its state back; returns the step to continue from."""
+    missing = sorted(set(components) - set(ckpt) - set(TENSORS))
+    ckpt = {k: v for k, v in ckpt.items() if not k.startswith("optimizer_")}
     if missing:
         raise UsageError(f"checkpoint lacks {', '.join(missing)} (written by an older version?); delete it to start over")
     for name, c in components.items():
-        c.load_state_dict(ckpt[name])
+        if name not in TENSORS:
+            c.load_state_dict(ckpt[name])
     return ckpt["step"]

@@ -69,7 +69,7 @@ class TrainConfig:
     steps: int = 600  # optimizer steps
     eval_every: int = 100  # validation every k steps (and always at the end)
     checkpoint_every: int = 200  # 0: only the final checkpoint
-    keep_checkpoints: int = 1  # the latest (checkpoint.pt) and the K - 1 before it (checkpoint.step-S.pt)
+    keep_checkpoints: int = 1  # the latest (OUT/checkpoint) and the K - 1 before it (OUT/checkpoint.step-S-*)
     log_every: int = 20  # plain progress lines when not on a terminal
     seed: int = 0  # model initialisation and data order
     device: str = "auto"  # auto | cpu | cuda

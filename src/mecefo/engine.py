@@ -198,14 +198,22 @@ class StepEngine:
                 p.grad.div_(c)
 
     # ------------------------------------------------------------------ state
+    collective_checkpoint = False  # whether every process sharing the model's shards writes a checkpoint (FSDP)
+
     def components(self, optimizer) -> dict[str, Component]:
-        """The model and the optimizer as checkpoint components (whole tensors; mecefo.checkpoint)."""
+        """The model and the optimizer as components (whole tensors), which a torchft heal sends."""
         return {"model": Component(self.model.state_dict, self.model.load_state_dict),
                 "optimizer": Component(optimizer.state_dict, optimizer.load_state_dict)}
 
+    def checkpoint_tensors(self, optimizer) -> dict:
+        """The model's and optimizer's state for a checkpoint, in this engine's layout (mecefo.checkpoint.tensors)."""
+        return checkpoint.tensors(self.model, optimizer)
+
     def restore(self, path, config_hash: str, components: dict, optimizer) -> int:
-        """Load the checkpoint at path into the components; returns its step."""
-        return checkpoint.restore(checkpoint.load(path, config_hash), components)
+        """Load the checkpoint at path into the model, the optimizer and the components; returns its step."""
+        ckpt = checkpoint.load(path, config_hash)
+        checkpoint.load_tensors(path, self.model, optimizer)
+        return checkpoint.restore(ckpt, components)
 
     def sync_for_io(self, optimizer) -> None:
         """Before the writer evaluates or writes a checkpoint: give it the current state if it has none."""
@@ -331,11 +339,12 @@ class TorchReplicated(Replicated):
         return bool(ok.item())
 
     def restore(self, path, config_hash: str, components: dict, optimizer) -> int:
-        """Rank 0 reads the file; the others receive the state from it, tensors by broadcast (as at a
-        recovery), the rest as one object: no rank but 0 needs the file."""
+        """Rank 0 reads the checkpoint; the others receive the state from it, tensors by broadcast (as at a
+        recovery), the rest as one object: no rank but 0 needs the files."""
         box = [None]
         if self.rank == 0:
             ckpt = checkpoint.load(path, config_hash)
+            checkpoint.load_tensors(path, self.model, optimizer)
             checkpoint.restore(ckpt, components)
             box[0] = {k: v for k, v in ckpt.items() if k not in self.WHOLE}
         self.dist.broadcast_object_list(box, src=0)
@@ -444,12 +453,22 @@ class Sharded(StepEngine):
     def updates(self, plan: StepPlan) -> bool:
         return not plan.skipped  # every shard is updated, or its rows would go stale
 
+    collective_checkpoint = True  # every process writes its own shards
+
     def components(self, optimizer) -> dict[str, Component]:
-        self.optimizer = optimizer  # (a heal sends its shards)
-        return sharded_components(self.model, optimizer)
+        """None: the shards go to checkpoints through DCP, to heals through heal_state."""
+        self.optimizer = optimizer
+        return {}
 
     def restore(self, path, config_hash: str, components: dict, optimizer) -> int:
-        return restore_sharded(path, config_hash, components, self.shard_group[0])
+        """Every process reads its own shards (DCP, whatever the layout that wrote them); the shard group's
+        first process reads the rest and broadcasts it. Returns the checkpoint's step."""
+        import torch.distributed as dist
+
+        box = [checkpoint.load(path, config_hash) if self.shard_group[0] == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        checkpoint.load_tensors(path, self.model, optimizer, collective=True)
+        return checkpoint.restore(box[0], components)
 
     def parameters_finite(self) -> bool:
         """Every process of the shard group holds finite shards (a collective of the group)."""
@@ -535,33 +554,6 @@ def add_low_rank_rows(model, lowrank: LowRankWgrad, plan: StepPlan, shard: int, 
         if rows.shape[0] != local.shape[0]:
             raise RuntimeError(f"FSDP shard of {m} has {local.shape[0]} rows, expected {rows.shape[0]}")
         local.add_(lowrank.gradient(m, rows).to(local.dtype))
-
-
-def sharded_components(model, optimizer) -> dict[str, Component]:
-    """An FSDP2 model and its optimizer as checkpoint components: whole tensors gathered onto the group's rank
-    0's CPU (a collective of the processes sharing the shards; the others get empty dicts), and on load
-    broadcast from rank 0 into every process's shards."""
-    from torch.distributed.checkpoint import state_dict as dcp
-
-    gather = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
-    scatter = dcp.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    return {"model": Component(lambda: dcp.get_model_state_dict(model, options=gather),
-                               lambda s: dcp.set_model_state_dict(model, s, options=scatter)),
-            "optimizer": Component(lambda: dcp.get_optimizer_state_dict(model, optimizer, options=gather),
-                                   lambda s: dcp.set_optimizer_state_dict(model, optimizer, s, options=scatter))}
-
-
-def restore_sharded(path, config_hash: str, components: dict, rank: int) -> int:
-    """The shards' rank 0 (`rank`: this process's rank in the default process group) reads the checkpoint and
-    broadcasts it: the model and optimizer into the shards, the rest as one object. Returns its step."""
-    import torch.distributed as dist
-
-    sharded, box, ckpt = ("model", "optimizer"), [None], {}
-    if rank == 0:
-        ckpt = checkpoint.load(path, config_hash)
-        box[0] = {k: v for k, v in ckpt.items() if k not in sharded}
-    dist.broadcast_object_list(box, src=0)
-    return checkpoint.restore(box[0] | {k: ckpt.get(k, {}) for k in sharded}, components)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ torchft's membership (FtMembership: steps 1, 2 and 5, the heals, and the exchang
 replica's files (ReplicaFiles) and the replica's entry point. Rows of committed steps go to
 OUT/replicas/rank<r>.jsonl (the trainer's rows; the replica and the wall time under "backend"), heals to
 rank<r>.heals.jsonl, the replica's summary to rank<r>.summary.json (the launcher merges them), a status
-file says what the replica is doing, and the lowest live rank evaluates and writes OUT/checkpoint.pt on
+file says what the replica is doing, and the lowest live rank evaluates and writes OUT/checkpoint on
 the trainer's cadence.
 
     python -m mecefo.ft --out OUT --replica R --lighthouse ADDR     (the launcher's command; OUT/config.json)
@@ -84,7 +84,7 @@ class ReplicaFiles(RunFiles):
     """One replica's files (its group's rank 0 writes them): OUT/replicas/rank<r>.jsonl (the trainer's rows of
     committed steps), rank<r>.heals.jsonl, rank<r>.summary.json (the launcher merges them) and rank<r>.status
     (what the replica is doing, with the time: the launcher's and the peers' view of it). The lowest live rank
-    writes OUT/checkpoint.pt; a group's other processes wait for its write."""
+    writes OUT/checkpoint; a group's other processes wait for its write."""
 
     several_writers = True  # the lowest live rank writes; a stalled writer may wake after its successor wrote
 
@@ -123,10 +123,12 @@ class ReplicaFiles(RunFiles):
         """Whether some replica has finished the run."""
         return any(self.replicas.glob("rank*.summary.json"))
 
-    def write_checkpoint(self, step: int, config_hash: str, states: dict, writes: bool, keep: int = 1) -> None:
-        """The group's rank 0 writes; the others wait for the write (MECEFO_FT_CHECKPOINT_S), so that none of them
-        goes on to the next quorum, which waits for all of the group's processes, while it writes."""
-        super().write_checkpoint(step, config_hash, states, writes, keep)
+    def write_checkpoint(self, step: int, config_hash: str, states: dict, tensors: dict | None, writer: bool,
+                         collective: bool, keep: int = 1) -> None:
+        """The group's processes write their shards, its rank 0 the rest; the others wait for the write to be
+        made current (MECEFO_FT_CHECKPOINT_S), so that none of them goes on to the next quorum, which waits for all
+        of the group's processes, while it writes."""
+        super().write_checkpoint(step, config_hash, states, tensors, writer, collective, keep)
         if self.group.size > 1:
             key = f"mecefo/checkpoint/{step}"
             if self.group.rank == 0:
@@ -618,7 +620,7 @@ class _manager_server_bound_to:
 
 
 def replica(cfg, out: Path, rank: int, lighthouse: str, min_step_s: float, wait_for: int, rejoin: bool) -> None:
-    """One replica process: mecefo.train's Run on this backend, from OUT/checkpoint.pt if there is one (the
+    """One replica process: mecefo.train's Run on this backend, from OUT/checkpoint if there is one (the
     replicas behind then heal from a live peer)."""
     from .train import Run, resolve_device
 
@@ -629,7 +631,7 @@ def replica(cfg, out: Path, rank: int, lighthouse: str, min_step_s: float, wait_
     group = join_group(cfg.cluster.shard, device)
     training = Run(cfg, out, device, rank, quiet=group.rank != 0, run_dir=out, lighthouse=lighthouse,
                    min_step_s=min_step_s, wait_for=wait_for, rejoin=rejoin, group=group)
-    resume = (out / "checkpoint.pt").exists() and not rejoin  # a restarted replica heals from a live peer instead
+    resume = (out / "checkpoint").exists() and not rejoin  # a restarted replica heals from a live peer instead
     if cfg.cluster.shard == "fsdp":  # one answer for the group (another group may be writing the first checkpoint)
         resume = _all_in_group(resume, device)
     try:

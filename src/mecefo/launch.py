@@ -228,7 +228,7 @@ class Supervisor:
                       and self.statuses().get(r) in TRAINING)
 
     def has_checkpoint(self) -> bool:
-        return (self.out / "checkpoint.pt").exists()
+        return (self.out / "checkpoint").exists()
 
     # ------------------------------------------------------------------ verbs (the kill plan's and chaos')
     def start(self, rank: int, why: str, wait_for: int = 1) -> None:
@@ -449,7 +449,7 @@ class Supervisor:
         """What --resume does with the run folder a stopped launch leaves."""
         from . import checkpoint
 
-        path = self.out / "checkpoint.pt"
+        path = self.out / "checkpoint"
         if not path.exists():
             return f"No checkpoint was written yet (train.checkpoint_every); --resume starts the run in {self.out} over"
         return f"The checkpoint of step {checkpoint.read(path)['step']} in {self.out} is intact; --resume continues from it"
@@ -574,7 +574,7 @@ def resume_point(out: Path, cfg) -> int:
     that the steps redone are not counted twice."""
     from . import checkpoint
 
-    ckpt = out / "checkpoint.pt"
+    ckpt = out / "checkpoint"
     step = checkpoint.load(ckpt, cfg.hash())["step"] if ckpt.exists() or not _holds_run_of(out, cfg) else 0
     for path in [*(out / "replicas").glob("rank*.jsonl")]:  # rows and heals; a torn line (a kill mid-write) dropped
         keep = [row for row in read_rows(path)[0] if row.get("step", row.get("healed_at_step", 0)) <= step]
@@ -861,7 +861,7 @@ def main(argv: list[str] | None = None, restore_signals: bool = True) -> int:
                              "CUDA, and CUDA does not survive a fork)")
     config_mod.add_flag(parser, "max-restarts", type=int, default=MAX_RESTARTS,
                         help="restarts of a rank that crashes (exits with a status other than 2 and 3) before the launch stops")
-    parser.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt")
+    parser.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint")
     parser.add_argument("--prepare", action="store_true",
                         help="replicas started by hand (multi-node): check the config, write DIR/config.json and exit")
     parser.add_argument("--merge", action="store_true",
@@ -896,7 +896,7 @@ def main(argv: list[str] | None = None, restore_signals: bool = True) -> int:
             out = Path(args.out)
             if (out / "replicas").exists() and not args.resume:
                 raise UsageError(f"{out} holds a run; pass --resume to continue it or choose another --out")
-            if args.resume and not (out / "checkpoint.pt").exists() and not _holds_run_of(out, cfg):
+            if args.resume and not (out / "checkpoint").exists() and not _holds_run_of(out, cfg):
                 raise UsageError(f"--resume: {out} holds no checkpoint and no run of this config")
             if not (math.isfinite(args.min_step_s) and args.min_step_s >= 0):
                 raise UsageError(f"--min_step_s {args.min_step_s} must be a finite, non-negative number of seconds")

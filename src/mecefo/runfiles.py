@@ -4,7 +4,7 @@ OUT/run.lock     held (mecefo.runfolder: an flock the kernel releases however th
                  training or launching into OUT, taken before OUT is read or written
 OUT/config.json  the resolved config and its hash, written first
 OUT/metrics.jsonl, OUT/summary.json   one row per committed step; the summary (mecefo.train)
-OUT/checkpoint.pt   mecefo.checkpoint: written atomically; the last train.keep_checkpoints kept
+OUT/checkpoint   mecefo.checkpoint: written atomically; the last train.keep_checkpoints kept
 torchft (mecefo.ft.ReplicaFiles): each replica writes OUT/replicas/rank<r>.{jsonl,heals.jsonl,summary.json,status},
 which the launcher reads and merges.
 
@@ -56,14 +56,17 @@ class RunFiles:
         self.out.mkdir(parents=True, exist_ok=True)
         atomic_write_json(self.out / "config.json", {"config_hash": cfg.hash(), "config": cfg.to_dict()})
 
-    def write_checkpoint(self, step: int, config_hash: str, states: dict, writes: bool, keep: int = 1) -> None:
-        """Write the gathered states (every process that takes part in the checkpoint calls this; `writes`: this
-        one writes the file); keep: how many checkpoints stay (train.keep_checkpoints)."""
-        if writes:
-            checkpoint.save(self.checkpoint_path(), step, config_hash, states, keep_later=self.several_writers, keep=keep)
+    def write_checkpoint(self, step: int, config_hash: str, states: dict, tensors: dict | None, writer: bool,
+                         collective: bool, keep: int = 1) -> None:
+        """Write a checkpoint (mecefo.checkpoint.save): the small states and the model's and optimizer's tensors;
+        every process that takes part in it calls this (collective: every process sharing the shards writes its
+        own; writer: this one writes the rest and makes it current); keep: how many stay (train.keep_checkpoints)."""
+        if writer or collective:
+            checkpoint.save(self.checkpoint_path(), step, config_hash, states, tensors, collective=collective,
+                            writer=writer, keep_later=self.several_writers, keep=keep)
 
     def checkpoint_path(self) -> Path:
-        return self.out / "checkpoint.pt"
+        return self.out / checkpoint.NAME
 
 
 def missing_folders(out: Path) -> list[Path]:
@@ -79,7 +82,7 @@ def missing_folders(out: Path) -> list[Path]:
 def prepare_out(out: Path, cfg, resume: bool) -> dict:
     """Decide what to do with an existing OUT: reuse a finished run ({"finished": summary}), resume from its
     checkpoint ({"resume": True}), start afresh, or refuse to overwrite (UsageError)."""
-    summary, ckpt = out / "summary.json", out / "checkpoint.pt"
+    summary, ckpt = out / "summary.json", out / checkpoint.NAME
     holder = lock_holder(out)  # (None where this process holds it)
     if holder is not None:
         raise UsageError(f"--out {out} is in use by a live run (pid {holder}, {out / LOCK}); wait for it to end or "

@@ -4,7 +4,7 @@ Data-parallel training under failures:  --ranks 8 --failures high --policy mecef
 ranks), or under torchrun:  torchrun --nproc_per_node 8 -m mecefo.train ... --ranks 8 --backend torch.
 
 DIR receives config.json (the resolved config, written first), metrics.jsonl (one line per step; validation
-lines carry val_loss), checkpoint.pt (written
+lines carry val_loss), checkpoint (a link to the current checkpoint folder, mecefo.checkpoint: written
 atomically every train.checkpoint_every steps and at the end) and summary.json (resolved config, final
 validation loss and perplexity, commit, package versions). A rerun with the same config reuses a finished
 DIR and resumes an interrupted one; bad input exits with status 2 before anything is written.
@@ -241,9 +241,10 @@ class Run:
             raise TrainingStopped(f"step {step}: the parameters are not finite after the update; the last checkpoint "
                                   f"in {self.out} is kept")
         self.files.status(f"checkpointing {step}")
-        states = checkpoint.gather(self.components)  # every rank: gathering FSDP shards is collective
-        self.files.write_checkpoint(step, self.cfg.hash(), states, self.membership.writes(plan),
-                                    keep=self.cfg.train.keep_checkpoints)
+        writer, collective = self.membership.writes(plan), self.engine.collective_checkpoint
+        tensors = self.engine.checkpoint_tensors(self.optimizer) if writer or collective else None
+        self.files.write_checkpoint(step, self.cfg.hash(), checkpoint.gather(self.components), tensors, writer=writer,
+                                    collective=collective, keep=self.cfg.train.keep_checkpoints)
         self.files.status(f"step {step}")
 
     def step(self, step: int, down: frozenset[int]) -> tuple[dict | None, object]:
@@ -477,7 +478,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
                                          f"  {b.name}: {b.summary} (started by {b.started_by})" for b in BACKENDS.values()))
     parser.add_argument("--config", help="TOML file (experiments/configs/*.toml); defaults apply without one")
     parser.add_argument("--out", help="output folder (default results/runs/<preset>-<config hash>)")
-    parser.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt (must exist)")
+    parser.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint (must exist)")
     config_mod.add_flag(parser, "stop-after", type=int, help="stop after this step, leaving a checkpoint (simulates an interruption)")
     parser.add_argument("--quiet", action="store_true")
     args, rest = parser.parse_known_args(argv)
