@@ -66,7 +66,7 @@ PROFILES = {"quick": {"single": 2, "groups": 1}, "default": {"single": 50, "grou
 TWIN_RTOL = 1e-4
 EXACT_EVERY = 5  # one-process schedules whose seed is a multiple of this also get a torch-backend twin
 HOLD_S = "0.3"  # every heal and checkpoint write held this long (MECEFO_FT_HEAL_DELAY_S, MECEFO_CHECKPOINT_DELAY_S)
-# mecefo.launch.recovery_times: every kill and restart, and those whose interval met no stall or lighthouse outage
+# mecefo.replica_records.recovery_times: every kill and restart, and those whose interval met no stall or lighthouse outage
 TIMINGS = ("restart_to_rejoin_s", "kill_to_step_s", "restart_to_rejoin_clear_s", "kill_to_step_clear_s")
 TARGETS = {"rejoin_p95_s": {"one-process": 5.0, "groups of 2": 10.0}, "kill_to_step_p95_s": 1.5}
 
@@ -157,12 +157,12 @@ def _twin(s: Schedule, out: Path, scratch: Path, backend: str = "local") -> floa
 
 
 def _phases(events: list[dict]) -> list[dict]:
-    """For each restart (within its window: mecefo.launch._windows): seconds until the replica waited for a live peer
+    """For each restart (within its window: mecefo.replica_records.windows): seconds until the replica waited for a live peer
     (its process started, imported, built its model) and until it trained (quorum, heal, first step)."""
-    from mecefo.launch import _windows
+    from mecefo.replica_records import windows
 
     found = []
-    for e, end in _windows(events, ("start",)):
+    for e, end in windows(events, ("start",)):
         if e["why"] == "initial":
             continue
         seen = {}
@@ -176,7 +176,7 @@ def _phases(events: list[dict]) -> list[dict]:
     return found
 
 
-# the merge's refusals (mecefo.launch.merge): the records are not one run, an invariant broken, not a lost run
+# the merge's refusals (mecefo.replica_records.merge): the records are not one run, an invariant broken, not a lost run
 MERGE_REFUSALS = {"replicas disagree": "once", "committed a step twice": "once", "were never committed": "once",
                   "ended with different parameters": "identical"}
 
@@ -255,11 +255,11 @@ def _replica_rows(out: Path) -> dict[int, list[dict]]:
 def _each_step_once(out: Path, s: Schedule, events: list[dict]) -> bool:
     """Every step 1..S committed; each replica commits each step at most once, in order (a heal jumps ahead, never
     back); replicas that committed a step agree on its loss and on who was down, but for a version of a step that died
-    with the replicas that committed it alone (mecefo.launch.lineage, the merge's rule), and each such row is
+    with the replicas that committed it alone (mecefo.replica_records.lineage, the merge's rule), and each such row is
     confirmed by the launcher's own events: its replica was killed or died after writing it and before its next heal
     (the history it was on died with its process). Stricter than the merge, which also takes a live replica's one
     lone commit (healed from the others' redo, alive): here that is a violation, kept to be read."""
-    from mecefo.launch import lineage, read_replicas
+    from mecefo.replica_records import lineage, read_replicas
 
     own, healed, finals, _ = read_replicas(out, s.ranks)
     own = {r: [row for row in rows if row.get("step")] for r, rows in own.items()}

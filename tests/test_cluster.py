@@ -58,6 +58,65 @@ def test_failed_ranks_compute_nothing_and_every_sample_is_accounted(policy):
     assert plan.samples() == len(expected) * 8
 
 
+@pytest.mark.parametrize("failed", [frozenset(), frozenset({1}), frozenset({0, 2})])
+def test_replicated_engines_with_an_injected_all_reduce_give_the_batched_gradient(nano_data, failed):
+    """The step engine's exchange is its injected all_reduce (torch.distributed's, torchft's Manager's): 3 replicas
+    of rank 0, 1, 2 computed one after the other in this process, their flat sums added by hand and handed back as
+    the all-reduce's result, end with the batched engine's aggregated gradient (MeCeFO, V1 shared)."""
+    from mecefo.engine import Replicated
+
+    batched, model, lowrank = _cluster(nano_data, 3)
+    plan = plan_step("mecefo", 0, failed, 3, 1, 4, MECEFO)
+    batched.compute(plan, None)
+    want = {n: p.grad.clone() if p.grad is not None else None for n, p in model.named_parameters()}
+    sent, total = [], []
+
+    def record(t):  # first pass: what each replica sends
+        sent.append(t.clone())
+
+    def answer(t):  # second pass: the sum over the replicas, as an all-reduce returns it
+        t.copy_(total[0])
+
+    for all_reduce in (record, answer):
+        if all_reduce is answer:
+            total.append(torch.stack(sent).sum(0))
+        for rank in range(3):
+            replica = Replicated(model, nano_data, 0, torch.device("cpu"), lowrank, nullcontext, n_ranks=3, rank=rank,
+                                 all_reduce=all_reduce)
+            replica.compute(plan, None)
+            if all_reduce is answer:
+                for name, p in model.named_parameters():
+                    assert (p.grad is None) == (want[name] is None), name
+                    if p.grad is not None:
+                        assert torch.allclose(p.grad, want[name], atol=1e-12), (rank, name)
+
+
+def test_every_backend_composes_a_whole_membership_and_step_engines():
+    """Each registered backend names a membership that answers the whole contract (an abstract one cannot be built:
+    no hook is inherited by accident) and step engines."""
+    import importlib
+
+    from mecefo.cluster import BACKENDS
+    from mecefo.engine import StepEngine
+    from mecefo.membership import Membership
+
+    def load(where):
+        module, name = where.split(":")
+        return getattr(importlib.import_module(module), name)
+
+    for spec in BACKENDS.values():
+        membership = load(spec.membership)
+        assert issubclass(membership, Membership) and not membership.__abstractmethods__, spec.name
+        assert all(issubclass(load(e), StepEngine) for e in spec.engines.values()), spec.name
+
+    class Forgetful(Membership):  # answers only the quorum
+        def quorum(self, step, schedule, end):
+            return None
+
+    with pytest.raises(TypeError, match="abstract"):
+        Forgetful()
+
+
 def test_aggregation_weights_by_hand():
     """n = 3, rank 1 failed, its neighbour is 2: attention averages over N = {0}, the rest over 3 micro-batches."""
     plan = plan_step("mecefo", 0, frozenset({1}), 3, 1, 4, MECEFO)

@@ -245,6 +245,34 @@ def test_a_second_launch_on_the_out_of_a_live_one_is_refused(tmp_path, capsys):
         live.wait()
 
 
+def test_the_launcher_follows_the_trainers_rule_for_an_existing_out(tmp_path, capsys):
+    """mecefo.train's rule (mecefo.runfiles.prepare_out): a finished run of this config is reused, nothing launched;
+    a folder holding another config's run is refused with one line, nothing touched; --resume where there is
+    nothing to resume is refused, and the folders it would have made are not left behind."""
+    from mecefo import config as config_mod
+    from mecefo.launch import main as launch_main
+
+    args = [*NANO, "--ranks", "2", "--steps", "4"]
+    cfg = config_mod.load(NANO[1], {"ranks": "2", "steps": "4", "backend": "torchft"})
+    done, other, empty = tmp_path / "done", tmp_path / "other", tmp_path / "new" / "ft"
+    done.mkdir()
+    (done / "config.json").write_text(json.dumps({"config_hash": cfg.hash()}))
+    (done / "summary.json").write_text(json.dumps({"config_hash": cfg.hash(), "final_val_loss": 5.0}))
+    assert launch_main([*args, "--out", str(done)]) == 0
+    assert "finished run (summary.json): reused" in capsys.readouterr().out
+    assert sorted(p.name for p in done.iterdir()) == ["config.json", "summary.json"]
+    (other / "replicas").mkdir(parents=True)
+    (other / "config.json").write_text(json.dumps({"config_hash": "another"}))
+    (other / "replicas" / "rank0.jsonl").write_text('{"step": 1}\n')
+    assert launch_main([*args, "--out", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert "holds no run of this config" in err and err.count("\n") == 1
+    assert (other / "replicas" / "rank0.jsonl").read_text() == '{"step": 1}\n' and not (other / "events.json").exists()
+    assert launch_main([*args, "--out", str(empty), "--resume"]) == 2
+    assert "holds no checkpoint and no run of this config" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+
+
 def test_a_resume_on_the_out_of_a_live_launch_is_refused_before_it_cuts_the_replicas_rows(tmp_path, capsys):
     """--resume cuts the replicas' rows back to the checkpoint: under the lock, so never while another launch writes
     them (it once did so before taking the lock)."""

@@ -40,8 +40,9 @@ def _logs(out) -> str:
 def test_members_that_die_as_a_new_quorum_forms_do_not_hold_the_survivors(tmp_path):
     """5 ranks; rank 4 is killed at step 5 and rejoins: a new quorum (and process group) forms, and the moment it does,
     three of its members die, rank 0 among them, whose store the quorum uses (the first replica id). The survivors'
-    rendezvous at that store ends when the lighthouse counts the dead dead (about its heartbeat timeout, 0.5 s) instead of
-    waiting for them for the store's 30 s timeout; every step once, the twin's curve."""
+    rendezvous at that store ends when the lighthouse counts the dead dead (about its heartbeat timeout, 0.5 s), or at
+    once when the store's host is among them (its connections reset: seen in one CI run of two), instead of waiting
+    for them for the store's 30 s timeout; every step once, the twin's curve."""
     out, args = tmp_path / "ft", ["--ranks", "5", "--steps", "80", "--eval_every", "80"]
     r = launch(out, *args, "--min-step-s", "0.15", "--no_fork_server", "--kill", "4:5:6",
                env={"MECEFO_FT_FAULT_DIE_IN_QUORUM": "0,1,2:6"})
@@ -49,7 +50,8 @@ def test_members_that_die_as_a_new_quorum_forms_do_not_hold_the_survivors(tmp_pa
     downs = [e["rank"] for e in json.loads((out / "events.json").read_text())["events"] if e["kind"] == "down"]
     assert sorted(downs) == [0, 1, 2]  # the faults did land
     assert max(_gaps(out)) < 10  # was > 30 s: the store's timeout
-    assert "died (its last heartbeat" in _logs(out)  # a rendezvous met a dead member and ended on its death
+    logs = _logs(out)  # a rendezvous met a dead member and ended on its death: counted dead by the lighthouse, or at
+    assert "died (its last heartbeat" in logs or "got exception in pg configure" in logs  # once, its store's host gone
     _twin(out, tmp_path, args)
 
 

@@ -12,7 +12,7 @@ from experiments.common import CONFIGS
 from mecefo import checkpoint
 from mecefo import config as config_mod
 from mecefo.errors import TrainingStopped, UsageError
-from mecefo.launch import lineage, merge, resume_point
+from mecefo.replica_records import lineage, merge, resume_point
 from mecefo.records import SUMMARY
 
 CFG = config_mod.load(CONFIGS / "nano.toml", {"steps": "3", "ranks": "2", "backend": "torchft"})
@@ -192,7 +192,7 @@ def test_restarts_are_judged_within_their_window_and_those_never_back_are_named(
     at 5 s is killed again at 5.5 s before it trained (not judged; that kill is not a training rank's), restarted at
     6 s and never trains: named, with what it was last doing. A lighthouse outage (2.2-2.8 s) and a stall (4.1-4.3 s)
     keep the rejoin and the second kill out of the clear lists."""
-    from mecefo.launch import not_rejoined, recovery_times
+    from mecefo.replica_records import not_rejoined, recovery_times
 
     def event(t, kind, r, **more):
         return {"time": t, "kind": kind, "rank": r, "step": 0, "why": "restart after a kill", **more}

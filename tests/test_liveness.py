@@ -345,12 +345,13 @@ def test_members_the_runs_files_say_hold_no_state_are_not_waited_for(tmp_path, m
     slow reconnect) and is waited for; this replica's own rank is never judged by its file."""
     from mecefo.ft import FtMembership, ReplicaFiles
 
-    (tmp_path / "rank1.status").write_text("down 1.0\n")
-    (tmp_path / "rank2.status").write_text("starting 1.0\n")
-    (tmp_path / "rank3.status").write_text("step 12 1.0\n")
-    (tmp_path / "rank0.status").write_text("down 1.0\n")
+    (tmp_path / "replicas").mkdir()
+    (tmp_path / "replicas" / "rank1.status").write_text("down 1.0\n")
+    (tmp_path / "replicas" / "rank2.status").write_text("starting 1.0\n")
+    (tmp_path / "replicas" / "rank3.status").write_text("step 12 1.0\n")
+    (tmp_path / "replicas" / "rank0.status").write_text("down 1.0\n")
     files = ReplicaFiles.__new__(ReplicaFiles)
-    files.replicas = tmp_path
+    files.out = tmp_path
     replica = type("Replica", (), {"replica_files": files, "rank": 0, "GONE": FtMembership.GONE})()
     members = ["mecefo_0:a", "mecefo_1:b", "mecefo_2:c", "mecefo_3:d", "mecefo_4:e"]  # (rank 4: no file yet)
     gone = FtMembership.members_gone(replica, members)

@@ -46,11 +46,11 @@ import torch
 from . import config as config_mod
 from . import liveness
 from .errors import TrainingStopped, UsageError, guarded
-from .membership import COMMIT, REDO, STOP, Quorum, Static
+from .membership import COMMIT, REDO, STOP, Membership, Quorum, token_data
 from .plan import StepPlan
 from .processes import die_with_parent, group_store, serve
-from .records import atomic_write_text, repair_tail
-from .runfiles import RunFiles
+from .records import repair_tail
+from .runfiles import RunFiles, read_config, read_replica_status, write_replica_status
 
 HEAL_DELAY_ENV = "MECEFO_FT_HEAL_DELAY_S"  # tests: hold a process's first healing so that it can be killed then
 # Faults the tests inject, by environment variable, into a replica's first life (not into a restarted one):
@@ -105,14 +105,12 @@ class ReplicaFiles(RunFiles):
 
     def status(self, what: str) -> None:
         if self.group.rank == 0:  # the group's files are its rank 0's
-            atomic_write_text(self.replicas / f"rank{self.rank}.status", f"{what} {time.time():.3f}\n")
+            write_replica_status(self.out, self.rank, what)
 
     def status_of(self, rank: int) -> str | None:
-        """The first word of a rank's status file (None: unreadable)."""
-        try:
-            return (self.replicas / f"rank{rank}.status").read_text().split()[0]
-        except (OSError, IndexError):
-            return None
+        """The first word of a rank's status file (None: none readable)."""
+        words = read_replica_status(self.out, rank)
+        return words[0] if words else None
 
     def healed(self, step: int, at: float) -> None:
         if self.group.rank == 0:
@@ -141,14 +139,13 @@ class ReplicaFiles(RunFiles):
                                           f"within {CHECKPOINT_S:g} s (MECEFO_FT_CHECKPOINT_S)") from None
 
 
-class FtMembership(Static):
+class FtMembership(Membership):
     """This replica's membership in a torchft run: torchft's Manager says who is alive (the lighthouse's
     quorum), heals this replica from a live peer when it is behind, carries the engine's exchange (its
     all-reduce tracks the peers' errors) and commits a step only if every participant finished it
     (should_commit). With --shard fsdp the replica is a group of processes (one FSDP2 shard group, the
     engine's): they join one quorum, and every answer below is the group's (a process computing while another
-    does not would hang), through one collective of the group. The class methods (open_data, agree) are one
-    process's: the launcher has prepared the run."""
+    does not would hang), through one collective of the group."""
 
     def __init__(self, cfg, rank: int, device: torch.device, run_dir: Path, lighthouse: str, min_step_s: float = 0.0,
                  wait_for: int = 1, rejoin: bool = False, group: "Group | None" = None):
@@ -165,6 +162,18 @@ class FtMembership(Static):
         self.healed_at, self.healed_before, self.first, self.last_begin = None, False, True, None
         self.heals, self.void_since, self.voids = 0, None, 0
         self.status("starting")
+
+    @classmethod
+    def setup(cls, cfg, device: torch.device) -> tuple[int, torch.device]:
+        raise UsageError("cluster.backend='torchft' starts its replicas under python -m mecefo.launch (see README)")
+
+    @classmethod
+    def open_data(cls, cfg, main: bool):
+        return token_data(cfg)  # (the launcher has built the token cache)
+
+    @classmethod
+    def agree(cls, decide):
+        return decide()  # (the launcher decides for the run before its replicas start)
 
     def files(self, out) -> ReplicaFiles:
         return self.replica_files
@@ -669,11 +678,7 @@ def main(argv: list[str] | None = None) -> int:
         die_with_parent()
 
     def start() -> int:
-        try:
-            values = json.loads((out / "config.json").read_text())["config"]
-        except (OSError, ValueError, KeyError) as e:
-            raise UsageError(f"{out / 'config.json'} cannot be read ({type(e).__name__}); mecefo.launch writes it") from None
-        cfg = config_mod.build(values)
+        cfg = config_mod.build(read_config(out, "mecefo.launch"))
         if not 0 <= args.replica < cfg.cluster.ranks:
             raise UsageError(f"--replica {args.replica} must be in 0..{cfg.cluster.ranks - 1}")
         replica(cfg, out, args.replica, args.lighthouse, args.min_step_s, args.wait_for, args.rejoin)

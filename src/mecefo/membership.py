@@ -31,6 +31,7 @@ Contract. mecefo.train.Run, in every process of the run (so that collectives mat
 
 from __future__ import annotations
 
+import abc
 import os
 from dataclasses import dataclass
 
@@ -47,7 +48,68 @@ class Quorum:
     failed: frozenset[int] | None  # the ranks down at it (None: the step is void and redone)
 
 
-class Static:
+class Membership(abc.ABC):
+    """The contract (the module's docstring says who calls what, and when): every membership answers all of it,
+    none inherits another's answers by accident."""
+
+    @classmethod
+    @abc.abstractmethod
+    def setup(cls, cfg, device: torch.device) -> tuple[int, torch.device]: ...
+
+    @classmethod
+    @abc.abstractmethod
+    def shards(cls, cfg) -> int: ...
+
+    @classmethod
+    @abc.abstractmethod
+    def open_data(cls, cfg, main: bool): ...
+
+    @classmethod
+    @abc.abstractmethod
+    def agree(cls, decide): ...
+
+    @abc.abstractmethod
+    def connect(self, components: dict, step: int, engine) -> int | None: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    @abc.abstractmethod
+    def engine_options(self, shard: str) -> dict: ...
+
+    @abc.abstractmethod
+    def files(self, out): ...
+
+    @abc.abstractmethod
+    def quorum(self, step: int, schedule, end: int) -> Quorum: ...
+
+    @abc.abstractmethod
+    def finish(self, plan, finite: bool) -> str: ...
+
+    @abc.abstractmethod
+    def end_step(self, row: dict | None) -> None: ...
+
+    @abc.abstractmethod
+    def io(self, plan) -> bool: ...
+
+    @abc.abstractmethod
+    def writes(self, plan) -> bool: ...
+
+    @abc.abstractmethod
+    def extras(self) -> dict: ...
+
+    @abc.abstractmethod
+    def summary_extras(self, digest: list | None) -> dict: ...
+
+
+def token_data(cfg):
+    """The config's token data (mecefo.data.TokenData), opened by this process."""
+    from .data import TokenData
+
+    return TokenData(cfg.data)
+
+
+class Static(Membership):
     """The failure schedule's membership in one process (the local backend): every rank is simulated here."""
 
     def __init__(self, cfg, rank: int, device: torch.device, **options):
@@ -67,9 +129,7 @@ class Static:
 
     @classmethod
     def open_data(cls, cfg, main: bool):
-        from .data import TokenData
-
-        return TokenData(cfg.data)
+        return token_data(cfg)
 
     @classmethod
     def agree(cls, decide):
@@ -139,9 +199,9 @@ class TorchStatic(Static):
         """Rank 0 builds the token cache while the others wait, then everyone opens it."""
         import torch.distributed as dist
 
-        data = Static.open_data(cfg, main) if main else None
+        data = token_data(cfg) if main else None
         dist.barrier()
-        return data or Static.open_data(cfg, main)
+        return data or token_data(cfg)
 
     @classmethod
     def agree(cls, decide):

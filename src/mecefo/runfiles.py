@@ -8,9 +8,10 @@ OUT/checkpoint   mecefo.checkpoint: written atomically; the last train.keep_chec
 torchft (mecefo.ft.ReplicaFiles): each replica writes OUT/replicas/rank<r>.{jsonl,heals.jsonl,summary.json,status},
 which the launcher reads and merges.
 
-The rule for an existing OUT (prepare_out), the same for every entry point: a finished run of this config is
-reused; an interrupted one resumes from its checkpoint; a run of another config, or a folder holding anything
-else, is refused with one line (exit 2), nothing touched.
+The rule for an existing OUT (prepare_out), the same for mecefo.train and mecefo.launch: a finished run of this
+config is reused; an interrupted one resumes from its checkpoint (or starts over, stopped before its first);
+a run of another config, or a folder holding anything else, is refused with one line (exit 2), nothing
+touched. --resume only insists that there is something to resume.
 
 Contract (RunFiles; mecefo.train.Run calls): metrics_path / summary_path (None: this process writes none),
 owns_out() (this process writes config.json and cuts the metrics back on a resume), status(what) (what this
@@ -23,6 +24,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from . import checkpoint
@@ -69,6 +71,33 @@ class RunFiles:
         return self.out / checkpoint.NAME
 
 
+def read_config(out: Path, who: str) -> dict:
+    """OUT/config.json's config values (for mecefo.config.build), or a one-line UsageError naming `who` writes it."""
+    try:
+        return json.loads((out / "config.json").read_text())["config"]
+    except (OSError, ValueError, KeyError) as e:
+        raise UsageError(f"{out / 'config.json'} cannot be read ({type(e).__name__}); {who} writes it") from None
+
+
+# ---- the replica status files: OUT/replicas/rank<r>.status, "<what> [<step>] <unix time>", one line, written whole
+# by the replica (its group's process 0: mecefo.ft.ReplicaFiles) and by the launcher (starting, down), read by both
+
+def replica_status_path(out: Path, rank: int) -> Path:
+    return Path(out) / "replicas" / f"rank{rank}.status"
+
+
+def write_replica_status(out: Path, rank: int, what: str) -> None:
+    atomic_write_text(replica_status_path(out, rank), f"{what} {time.time():.3f}\n")
+
+
+def read_replica_status(out: Path, rank: int) -> list[str] | None:
+    """The status file's words ([what, (step,) time]), or None where there is none yet or it is empty."""
+    try:
+        return (replica_status_path(out, rank).read_text().split()) or None
+    except OSError:
+        return None
+
+
 def missing_folders(out: Path) -> list[Path]:
     """The folders of OUT that do not exist yet (OUT first, then its parents), or a UsageError if OUT cannot be made
     a run folder; what the run's lock creates, and what is removed again if the run refuses to start."""
@@ -79,9 +108,20 @@ def missing_folders(out: Path) -> list[Path]:
     return [p for p in (out, *out.parents) if not p.exists()]
 
 
+def holds_run_of(out: Path, cfg) -> bool:
+    """Whether OUT/config.json is this config's (a run of it started there)."""
+    try:
+        return json.loads((out / "config.json").read_text()).get("config_hash") == cfg.hash()
+    except (OSError, ValueError):
+        return False
+
+
 def prepare_out(out: Path, cfg, resume: bool) -> dict:
-    """Decide what to do with an existing OUT: reuse a finished run ({"finished": summary}), resume from its
-    checkpoint ({"resume": True}), start afresh, or refuse to overwrite (UsageError)."""
+    """The rule for an existing OUT, the same for mecefo.train and mecefo.launch (taken under OUT's lock): reuse a
+    finished run of this config ({"finished": summary}); continue an interrupted one ({"resume": True} from its
+    checkpoint, {"resume": False, "started": True} from the start where it stopped before its first checkpoint);
+    start afresh in an empty or new OUT; refuse (UsageError) a folder holding another config's run or anything
+    else, a --resume with nothing to resume, and a folder another live run holds."""
     summary, ckpt = out / "summary.json", out / checkpoint.NAME
     holder = lock_holder(out)  # (None where this process holds it)
     if holder is not None:
@@ -90,19 +130,18 @@ def prepare_out(out: Path, cfg, resume: bool) -> dict:
     if summary.exists():
         done = json.loads(summary.read_text())
         if done.get("config_hash") == cfg.hash():
-            return {"finished": done, "resume": False}
+            return {"finished": done, "resume": False, "started": True}
         raise UsageError(f"--out {out} holds a finished run of another config (hash {done.get('config_hash')}); "
                          "choose another --out")
-    if resume and not ckpt.exists():
-        raise UsageError(f"--resume given but {ckpt} does not exist")
+    started = holds_run_of(out, cfg)
+    if resume and not ckpt.exists() and not started:
+        raise UsageError(f"--resume given but {out} holds no checkpoint and no run of this config")
     if ckpt.exists():
         checkpoint.load(ckpt, cfg.hash())  # refuses another config's checkpoint before anything is touched
-    elif out.exists() and any(p.name != LOCK for p in out.iterdir()):
-        started = out / "config.json"
-        if not (started.exists() and json.loads(started.read_text()).get("config_hash") == cfg.hash()):
-            raise UsageError(f"--out {out} is not empty and holds no run of this config; choose another --out")
-        # our own run, interrupted before its first checkpoint: it starts over
-    return {"finished": None, "resume": ckpt.exists()}
+    elif out.exists() and any(p.name != LOCK for p in out.iterdir()) and not started:
+        raise UsageError(f"--out {out} is not empty and holds no run of this config; choose another --out")
+    # (our own run, interrupted before its first checkpoint, starts over)
+    return {"finished": None, "resume": ckpt.exists(), "started": started}
 
 
 def give_up(out: Path, made: list[Path]) -> None:
