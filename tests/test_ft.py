@@ -245,6 +245,33 @@ def test_a_second_launch_on_the_out_of_a_live_one_is_refused(tmp_path, capsys):
         live.wait()
 
 
+def test_prepare_for_other_nodes_skips_this_nodes_memory_and_gpu_checks(tmp_path, capsys):
+    """--prepare writes the run folder for replicas started on other nodes: 4 groups of 8 processes of llama-7b on
+    CUDA are refused on this CPU machine by a launch (no CUDA device; 32 processes' memory), not by --prepare."""
+    from mecefo.launch import main as launch_main
+
+    job = [*NANO, "--preset", "llama-7b", "--ranks", "4", "--shard", "fsdp", "--group_size", "8", "--device", "cuda",
+           "--steps", "4"]
+    assert launch_main([*job, "--out", str(tmp_path / "launched")]) == 2
+    assert "no CUDA device" in capsys.readouterr().err and not (tmp_path / "launched").exists()
+    assert launch_main([*job, "--out", str(tmp_path / "prepared"), "--prepare"]) == 0
+    out = capsys.readouterr().out
+    assert "torchrun --nproc_per_node 8" in out and (tmp_path / "prepared" / "config.json").exists()
+
+
+def test_replicas_on_one_node_pin_gloo_and_nccl_to_the_loopback(monkeypatch):
+    """Unless the caller chose an interface, both process-group transports stay on `lo` (NCCL's bootstrap would
+    otherwise listen on the hostname's interface)."""
+    from mecefo.launch import Supervisor
+
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    env = Supervisor.replica_env(None)
+    assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == "lo"
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
+    assert Supervisor.replica_env(None)["NCCL_SOCKET_IFNAME"] == "ib0"
+
+
 def test_the_launcher_follows_the_trainers_rule_for_an_existing_out(tmp_path, capsys):
     """mecefo.train's rule (mecefo.runfiles.prepare_out): a finished run of this config is reused, nothing launched;
     a folder holding another config's run is refused with one line, nothing touched; --resume where there is

@@ -269,8 +269,9 @@ class Supervisor:
         opening of the servers (one node: everything on the loopback)."""
         env = {k: v for k, v in os.environ.items() if k not in INHERITED_NOT}
         env |= {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
-        if sys.platform == "linux":  # gloo's sockets on the loopback too (it otherwise takes the hostname's)
-            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        if sys.platform == "linux":  # gloo's and NCCL's sockets on the loopback too (they otherwise take the
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # hostname's interface: NCCL's bootstrap listens there)
+            env.setdefault("NCCL_SOCKET_IFNAME", "lo")
         return env
 
     def keep_fork_server(self) -> None:
@@ -632,13 +633,16 @@ def main(argv: list[str] | None = None, restore_signals: bool = True) -> int:
             from .data import TokenData  # the token cache, built once here rather than by every replica
             from .train import check_memory, model_config, resolve_device
 
-            device = resolve_device(cfg.train.device)
-            check_memory(cfg, model_config(cfg, TokenData(cfg.data).vocab_size)[0], device,
-                         cfg.data.micro_batch_size, processes=cc.ranks * args.group_size if device.type == "cpu" else 1,
-                         shards=args.group_size)
+            vocab_size = TokenData(cfg.data).vocab_size
             import torch
 
-            gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+            if args.prepare:  # the replicas run on other nodes: this one's memory and GPUs say nothing of theirs
+                device, gpus = torch.device("cpu"), 0
+            else:
+                device = resolve_device(cfg.train.device)
+                check_memory(cfg, model_config(cfg, vocab_size)[0], device, cfg.data.micro_batch_size,
+                             processes=cc.ranks * args.group_size if device.type == "cpu" else 1, shards=args.group_size)
+                gpus = torch.cuda.device_count() if device.type == "cuda" else 0
             if gpus and args.fork_server:
                 raise UsageError("--fork_server: not on CUDA (the server imports torch before a replica knows its GPU, "
                                  "and CUDA does not survive a fork); drop it")
