@@ -66,6 +66,7 @@ python -m paper_figures.grad_error $quick
 python -m paper_figures.rate $quick
 [ -z "$quick" ] && python -m paper_figures.heal
 python -m paper_figures.chaos $quick
+python -m experiments.float_check --which $quick   # which float settings change the bits here (the full check: see README)
 python -m paper_figures.headline $quick   # the README's first screen, from the results above
 python -m analysis.run_notebooks
 

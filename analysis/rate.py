@@ -33,7 +33,7 @@ from mecefo.records import atomic_write_json, git_commit, read_jsonl
 from mecefo.results import RESULTS, measurement, quick_flag, reusable, sources_digest, sweep_index
 
 SOURCES = ("analysis/rate.py", "src/mecefo/stats.py")  # the code the synthetic measurement depends on
-from mecefo.stats import fit_rate
+from mecefo.stats import fit_rate, fit_rate_n_t
 
 POLICIES = ("failure-free", "drop", "mecefo")
 
@@ -130,6 +130,15 @@ def _fit(rows: list[dict], key: str) -> dict | None:
     return {"slope": f.slope, "intercept": f.intercept, "ci95": list(f.ci), "word": rate_word(f.ci)}
 
 
+def _fit_n_t(rows: list[dict], key: str) -> dict | None:
+    """The slopes in log n and log T separately (mecefo.stats.fit_rate_n_t), each with its word."""
+    if any(r[key] <= 0 for r in rows) or len({r["n"] for r in rows}) < 2 or len({r["T"] for r in rows}) < 2 or len(rows) < 4:
+        return None
+    f = fit_rate_n_t([r["n"] for r in rows], [r["T"] for r in rows], [r[key] for r in rows])
+    return {"slope_n": f.slope_n, "ci95_n": list(f.ci_n), "word_n": rate_word(f.ci_n),
+            "slope_T": f.slope_t, "ci95_T": list(f.ci_t), "word_T": rate_word(f.ci_t)}
+
+
 def trajectory_mean(run: dict, key: str = "unbiased") -> float:
     """(1/T) sum_{t<T} ||grad f(x_t)||^2 from the K + 1 measured iterates t = 0, T/K, ..., T: the trapezoid rule."""
     return float(np.trapezoid(run[f"grad_sq_{key}"], run["points"]) / run["T"])
@@ -146,7 +155,7 @@ def gpt_rate(quick: bool) -> dict | None:
         return None
     data = json.loads(path.read_text())
     runs = data.get("runs", [])
-    if not runs or "grad_sq_unbiased" not in runs[0] or "split_check" not in data:
+    if not runs or "grad_sq_train_unbiased" not in runs[0] or "split_check" not in data:
         print(f"note: {path} was written by an older experiments.rate_gpt; rerun it (the GPT rate is left out)")
         return None
     start = runs[0]["grad_sq_unbiased"][0]  # every run starts from the same checkpoint
@@ -159,6 +168,7 @@ def gpt_rate(quick: bool) -> dict | None:
         rows = [{"policy": p, "n": n, "T": t, "nT": n * t, "seeds": len(v),
                  "mean_sq_grad": float(np.mean([trajectory_mean(r) for r in v])),
                  "mean_sq_grad_plug_in": float(np.mean([trajectory_mean(r, "plug_in") for r in v])),
+                 "mean_sq_grad_train": float(np.mean([trajectory_mean(r, "train_unbiased") for r in v])),
                  "failed_step_fraction": float(np.mean([r["failed_step_fraction"] for r in v]))}
                 for (n, t), v in sorted(cells.items())]
         for r in rows:
@@ -166,7 +176,8 @@ def gpt_rate(quick: bool) -> dict | None:
         points += rows
         if rows:
             fits[p] = {"unbiased": _fit(rows, "mean_sq_grad"), "plug_in": _fit(rows, "mean_sq_grad_plug_in"),
-                       "excess_over_start": _fit(rows, "excess_over_start")}
+                       "excess_over_start": _fit(rows, "excess_over_start"), "train": _fit(rows, "mean_sq_grad_train"),
+                       "n_and_T": _fit_n_t(rows, "mean_sq_grad"), "train_n_and_T": _fit_n_t(rows, "mean_sq_grad_train")}
     rises = [max(r["grad_sq_unbiased"][1:]) / start for r in runs] if start > 0 else []
     regime = {"start_grad_sq": start, "start_floor": runs[0]["grad_sq_floor"][0],
               "runs": len(runs), "runs_above_start": sum(x > 1 for x in rises),
@@ -216,7 +227,25 @@ def gpt_verdict(fits: dict, regime: dict, curve: list[dict], data: dict) -> str:
             f"{sc['blocks64']['unbiased']:.3f} with interleaved blocks of 64 windows (what neighbouring windows' correlation "
             f"adds) and {sc['first_last']['unbiased']:.3f} with the first against the last half of the held-out text (whose "
             "parts' gradients differ). Along the reference run "
-            f"the held-out squared norm was {curve_text}.")
+            f"the held-out squared norm was {curve_text}." + _train_and_n_t_words(fits, sc))
+
+
+def _train_and_n_t_words(fits: dict, sc: dict) -> str:
+    """The training objective's estimate (unseen training windows) and the fits in log n and log T separately."""
+    def slope(f, a="slope", c="ci95"):
+        return f"{f[a]:+.3f} [{f[c][0]:+.3f}, {f[c][1]:+.3f}]"
+
+    train = "; ".join(f"{p} {slope(f['train'])}: {f['train']['word']}" for p, f in fits.items() if f.get("train"))
+    nt = "; ".join(f"{p} n {slope(f['n_and_T'], 'slope_n', 'ci95_n')}, T {slope(f['n_and_T'], 'slope_T', 'ci95_T')}"
+                   for p, f in fits.items() if f.get("n_and_T"))
+    out = ""
+    if train:
+        out += (f" On the objective SGD optimises (two random halves of training windows the runs never "
+                f"read; {sc['train_unseen']['unbiased']:.3f} at the start), the slopes against nT are: {train}.")
+    if nt:
+        out += (" Fitted in log n and log T separately (the bound: -1/2 each; the step C sqrt(n/T) treats them "
+                f"differently), held-out: {nt}.")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,17 +1,23 @@
-"""Do Table 3's words survive another float environment? Rerun the deciding rows (failure-free, MeCeFO and drop
-at high failures, the default profile's seeds) with torch's vectorised CPU kernels changed (ATEN_CPU_CAPABILITY,
-as another CPU would run them), decide their words with the same pooled noise, and compare them word by word
-with the words the original runs of the same seeds give.
+"""Do Table 3's words survive another float environment? Rerun every run Table 3 decides from (every row at the
+main n) with one float setting changed, as another CPU would round, decide the whole table again from the reruns
+(the pooled noise re-estimated from them), and compare every row's word with the original's.
 
-    python -m experiments.float_check [--capability avx2] [--quick]
+    python -m experiments.float_check --which [--quick]             # which settings change the bits here
+    python -m experiments.float_check [--setting NAME ...] [--quick]  # rerun the table under them
 
-The reruns live in results/float_check/<capability>/ (their own results root: same configs, other rounding)
-and are reused on rerun; the comparison goes to results/float_check/float_check-<profile>.json.
+SETTINGS are the float knobs this torch build honours: torch's own vectorised kernels (ATEN_CPU_CAPABILITY),
+oneDNN's and MKL's instruction sets (ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS), MKL's reproducibility mode
+(MKL_CBWR) and the intra-op thread count. `--which` trains a short run of the sweep's base config under each and
+compares the final parameters bit for bit with this machine's own (results/float_check/which-<profile>.json);
+without --setting, the rerun uses every setting that changed the bits. The reruns live in
+results/float_check/<setting>/ (their own results root: same configs, other rounding) and are reused on rerun;
+the comparison goes to results/float_check/float_check-<profile>.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -19,103 +25,171 @@ import sys
 
 import numpy as np
 
+from mecefo.errors import UsageError
 from mecefo.records import atomic_write_json, git_commit
 from mecefo.results import RESULTS
-from mecefo.stats import Noise, decide
 
 from . import sweep, table3
 from .common import guarded
 
-DECIDING = (("none", "none"), ("high", "mecefo"), ("high", "drop"))
-ROWS = (("mecefo", "none"), ("drop", "none"), ("mecefo", "drop"))  # at high, paired by seed
+SETTINGS = {"aten-avx2": {"ATEN_CPU_CAPABILITY": "avx2"}, "aten-default": {"ATEN_CPU_CAPABILITY": "default"},
+            "onednn-avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2"}, "mkl-avx2": {"MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+            "mkl-compatible": {"MKL_CBWR": "COMPATIBLE"}, "one-thread": {"OMP_NUM_THREADS": "1"}}
+KNOBS = {k for s in SETTINGS.values() for k in s}
+WHICH_STEPS = 30  # the short run --which compares: failures from step 0, so the neighbours' kernels run too
 
 
-def deciding_cells(profile: str) -> list[sweep.Cell]:
+def table_cells(profile: str) -> list[sweep.Cell]:
+    """Every cell Table 3 decides from: the profile's cells at its main n."""
     d = sweep.DESIGNS[profile]
-    return [c for c in sweep.cells(profile) if c.n == d.n and c.tag == "main" and (c.level, c.policy) in DECIDING]
+    return [c for c in sweep.cells(profile) if c.n == d.n]
 
 
-def worker(profile: str) -> dict[str, float]:
-    """Run the deciding cells in this process's float environment (the caller sets it); their perplexities."""
-    from mecefo.train import run
+def cell_key(c) -> str:
+    get = c.get if isinstance(c, dict) else lambda k: getattr(c, k)
+    return ":".join(str(get(k)) for k in ("tag", "level", "policy", "techniques", "failable", "seed"))
 
+
+def environment(setting: str | None) -> dict:
+    """This process's environment with every float knob unset, then the setting's (None: this machine's own)."""
+    env = {k: v for k, v in os.environ.items() if k not in KNOBS}
+    return {**env, **(SETTINGS[setting] if setting else {})}
+
+
+def worker(profile: str, which: bool) -> dict:
+    """In this process's float environment: the short run's parameter digest (which) or every table cell's ppl."""
+    import torch
+
+    from mecefo import config as config_mod
+    from mecefo.train import Run, run
+
+    info = {"capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
+    base = sweep.DESIGNS[profile].base
+    if which:
+        cell = sweep.Cell(sweep.DESIGNS[profile].n, "high", "mecefo", 0)
+        cfg = config_mod.with_overrides(sweep.cell_config(base, cell), train={"steps": WHICH_STEPS, "eval_every": WHICH_STEPS},
+                                        cluster={"failure_free_steps": 0})
+        import tempfile
+        from pathlib import Path
+
+        with tempfile.TemporaryDirectory() as tmp:
+            training = Run(cfg, Path(tmp), torch.device("cpu"), quiet=True)
+            training.start(resume=False)
+            for step in range(WHICH_STEPS):
+                row, _ = training.step(step, training.schedule.failed[step])
+            digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in training.model.parameters()))
+            training.metrics.close()
+        return {**info, "digest": digest.hexdigest(), "loss": row["loss"]}
     out = {}
-    for i, c in enumerate(deciding_cells(profile)):
-        cfg = sweep.cell_config(sweep.DESIGNS[profile].base, c)
+    cells = table_cells(profile)
+    for i, c in enumerate(cells):
+        cfg = sweep.cell_config(base, c)
         folder = RESULTS / "sweep" / f"{cfg.model.preset}-{cfg.hash()}"
         run(cfg, folder, quiet=True)
-        out[f"{c.level}:{c.policy}:{c.seed}"] = sweep.run_ppl(folder)
-        print(f"[{i + 1}] {c.level} {c.policy} seed {c.seed}: ppl {out[f'{c.level}:{c.policy}:{c.seed}']:.4f}", flush=True)
+        out[cell_key(c)] = sweep.run_ppl(folder)
+        print(f"[{i + 1}/{len(cells)}] {cell_key(c)}: ppl {out[cell_key(c)]:.4f}", file=sys.stderr, flush=True)
+    return {**info, "ppl": out}
+
+
+def in_setting(setting: str | None, profile: str, which: bool) -> dict:
+    """Run the worker in a subprocess under a setting (its reruns under results/float_check/<setting>/)."""
+    env = environment(setting)
+    if not which:
+        env["MECEFO_RESULTS"] = str(RESULTS / "float_check" / setting)
+    args = [sys.executable, "-m", "experiments.float_check", "--worker"] + (["--which"] if which else []) + \
+        (["--quick"] if profile == "quick" else [])
+    proc = subprocess.run(args, env=env, stdout=subprocess.PIPE, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"the float-check worker under {setting or 'this machine'} exited {proc.returncode}")
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def which(profile: str) -> dict:
+    """Which settings change the bits of a short run here, against this machine's own (nothing set)."""
+    own = in_setting(None, profile, True)
+    out = {"profile": profile, "steps": WHICH_STEPS, "own": own, "settings": {}, "git_commit": git_commit()}
+    for name in SETTINGS:
+        got = in_setting(name, profile, True)
+        out["settings"][name] = {**got, "env": SETTINGS[name], "changes_bits": got["digest"] != own["digest"]}
+        print(f"{name:15s} ({' '.join(f'{k}={v}' for k, v in SETTINGS[name].items())}): "
+              f"{'changes the bits' if got['digest'] != own['digest'] else 'the same bits'} "
+              f"(final loss {got['loss']:.9g} against {own['loss']:.9g})", flush=True)
+    atomic_write_json(RESULTS / "float_check" / f"which-{profile}.json", out)
     return out
 
 
-def words(ppl: dict[str, float], seeds: list[int], noise: Noise) -> dict[str, dict]:
-    name = table3.name
-    out = {}
-    for a, b in ROWS:
-        sel = lambda p: [ppl[f"{'none' if p == 'none' else 'high'}:{p}:{s}"] for s in seeds]  # noqa: E731
-        d = 100 * (np.array(sel(a)) / np.array(sel(b)) - 1)
-        v = decide(float(d.mean()), len(seeds), noise, table3.TOLERANCE, agree=table3.AGREE)
-        out[f"{name(a)} − {name(b)}"] = {"mean": v.mean, "ci": v.ci, "word": v.word}
-    return out
+def compare(original: dict, rerun: dict) -> dict:
+    """Row by row: the original table's word and the rerun's, and how many printed words a rerun's interval was
+    expected to lose (the sum of 1 - P over the printed words) against how many it lost."""
+    before, after = ({r["id"]: r for r in t["rows"]} for t in (original, rerun))
+    rows = {}
+    for rid, a in before.items():
+        b = after.get(rid)
+        if b is None:
+            continue
+        rows[rid] = {"group": a["group"], "comparison": a["comparison"],
+                     "original": {k: a[k] for k in ("change_pct", "word", "probability", "margin")},
+                     "rerun": {k: b[k] for k in ("change_pct", "word", "probability", "margin")}}
+    printed = [r for r in rows.values() if not r["original"]["word"].startswith("not decided")]
+    return {"rows": rows, "words_changed": sum(r["original"]["word"] != r["rerun"]["word"] for r in rows.values()),
+            "printed": len(printed), "printed_lost": sum(r["rerun"]["word"] != r["original"]["word"] for r in printed),
+            "printed_lost_expected": float(sum(1 - r["original"]["probability"] for r in printed)),
+            "noise": {"original": original["noise"], "rerun": rerun["noise"]}}
+
+
+def check(profile: str, settings: list[str]) -> dict:
+    cells, meta = table3.load_cells(profile)
+    n = int(next(iter(meta.values()))["design"]["n"])
+    result = {"profile": profile, "n": n, "settings": {}, "git_commit": git_commit()}
+    for name in settings:
+        got = in_setting(name, profile, False)
+        rerun_ppl = got["ppl"]
+        at = [c for c in cells if c["n"] == n and cell_key(c) in rerun_ppl]
+        if len(at) < len(rerun_ppl):
+            raise UsageError(f"the sweep index lacks runs the rerun made; run python -m experiments.sweep"
+                             f"{' --quick' if profile == 'quick' else ''} first")
+        rel = [abs(100 * (rerun_ppl[cell_key(c)] / c["val_ppl"] - 1)) for c in at]
+        # both tables from the same runs (a row's seeds from another profile's index are not rerun)
+        original = table3.decide_table(at, meta)
+        rerun_table = table3.decide_table([{**c, "val_ppl": rerun_ppl[cell_key(c)]} for c in at], meta)
+        result["settings"][name] = {"env": SETTINGS[name], "capability": got["capability"], "threads": got["threads"],
+                                    "runs": len(at), "mean_abs_change_of_ppl_pct": float(np.mean(rel)),
+                                    "max_abs_change_of_ppl_pct": float(np.max(rel)), **compare(original, rerun_table)}
+        s = result["settings"][name]
+        print(f"{name}: per-run ppl moved by {s['mean_abs_change_of_ppl_pct']:.2f}% on average (max "
+              f"{s['max_abs_change_of_ppl_pct']:.2f}%); {s['words_changed']} of {len(s['rows'])} words changed, "
+              f"{s['printed_lost']} of {s['printed']} printed words lost (expected {s['printed_lost_expected']:.2f})")
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--capability", default="avx2", choices=("default", "avx2", "avx512"),
-                        help="ATEN_CPU_CAPABILITY of the rerun (this machine's own is the original's)")
+    parser.add_argument("--which", action="store_true", help="measure which settings change the bits here")
+    parser.add_argument("--setting", action="append", choices=sorted(SETTINGS),
+                        help="rerun under this setting (repeatable; default: every one --which found to change bits)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     profile = "quick" if args.quick else "default"
     if args.worker:
-        import torch
-
-        print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
-                          "ppl": worker(profile)}))
+        print(json.dumps(worker(profile, args.which)))
         return 0
-    t3_path = RESULTS / "sweep" / f"table3-{profile}.json"
-    if not t3_path.exists():
-        from mecefo.errors import UsageError
-
-        raise UsageError(f"no {t3_path}; run python -m experiments.table3{' --quick' if args.quick else ''} first")
-    t3 = json.loads(t3_path.read_text())
-    noise = Noise(**t3["noise"])
-    original = {f"{c['level']}:{c['policy']}:{c['seed']}": c["val_ppl"] for c in t3["cells"]
-                if c["n"] == t3["n"] and c["tag"] == "main" and (c["level"], c["policy"]) in DECIDING}
-    root = RESULTS / "float_check" / args.capability
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": args.capability, "MECEFO_RESULTS": str(root)}
-    proc = subprocess.run([sys.executable, "-m", "experiments.float_check", "--worker"] + (["--quick"] if args.quick else []),
-                          env=env, capture_output=True, text=True)
-    if proc.returncode:
-        sys.stderr.write(proc.stderr)
-        return proc.returncode
-    import torch
-
-    got = json.loads(proc.stdout.splitlines()[-1])
-    rerun = got["ppl"]
-    seeds = sorted({int(k.split(":")[2]) for k in rerun})
-    missing = [k for k in rerun if k not in original]
-    if missing:
-        from mecefo.errors import UsageError
-
-        raise UsageError(f"the original sweep lacks {missing}; run python -m experiments.sweep first")
-    rel = [abs(100 * (rerun[k] / original[k] - 1)) for k in rerun]
-    before, after = words(original, seeds, noise), words(rerun, seeds, noise)
-    # the original sweep ran in this machine's own float environment (no ATEN_CPU_CAPABILITY set by run_all.sh)
-    result = {"capability": args.capability, "rerun_capability": got["capability"], "rerun_threads": got["threads"],
-              "original_capability": torch.backends.cpu.get_cpu_capability(), "profile": profile, "seeds": seeds, "noise": t3["noise"],
-              "runs": {k: {"original": original[k], "rerun": rerun[k]} for k in rerun},
-              "max_abs_change_of_ppl_pct": max(rel), "mean_abs_change_of_ppl_pct": float(np.mean(rel)),
-              "rows": {r: {"original": before[r], "rerun": after[r]} for r in before},
-              "words_changed": sum(before[r]["word"] != after[r]["word"] for r in before), "git_commit": git_commit()}
+    if args.which:
+        which(profile)
+        return 0
+    settings = args.setting
+    if not settings:
+        path = RESULTS / "float_check" / f"which-{profile}.json"
+        if not path.exists():
+            raise UsageError(f"no {path}: run python -m experiments.float_check --which"
+                             f"{' --quick' if args.quick else ''} first, or name --setting")
+        settings = [k for k, v in json.loads(path.read_text())["settings"].items() if v["changes_bits"]]
+        if not settings:
+            raise UsageError("no setting changed the bits here: the float check would test nothing")
+    result = check(profile, settings)
     path = RESULTS / "float_check" / f"float_check-{profile}.json"
     atomic_write_json(path, result)
-    print(f"per-run ppl moved by {result['mean_abs_change_of_ppl_pct']:.2f}% on average (max "
-          f"{result['max_abs_change_of_ppl_pct']:.2f}%) under ATEN_CPU_CAPABILITY={args.capability}")
-    for r, v in result["rows"].items():
-        print(f"  {r}: {v['original']['mean']:+.2f}% {v['original']['word']!r} -> {v['rerun']['mean']:+.2f}% {v['rerun']['word']!r}")
-    print(f"{result['words_changed']} of {len(before)} words changed -> {path}")
+    print(f"-> {path}")
     return 0
 
 

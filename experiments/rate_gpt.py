@@ -16,7 +16,10 @@ step is skipped under every policy), so drop and MeCeFO are run, and fitted, fro
 f is the loss over the held-out population; its gradient is estimated at K + 1 evenly spaced iterates
 (t = 0, T/K, ..., T) from HELD_OUT_WINDOWS fixed validation windows, split into two disjoint halves
 (`held_out_gradient_sq`), so that the squared norm is estimated without the upward bias of the plug-in
-estimate's own variance. At the checkpoint the estimate is also taken with other splits (`split_check`: how
+estimate's own variance. Beside it, the same estimate of the objective SGD optimises, the loss over training
+windows: HELD_OUT_WINDOWS windows of the training split that the run never reads (the tail of its seed's first
+epoch; the run reads the head), in two halves that are random sets of windows from across the text
+(`training_gradient_sq`), so that neither neighbouring windows nor another text's gradient enter it. At the checkpoint the estimate is also taken with other splits (`split_check`: how
 much neighbouring windows' correlation and the choice of held-out text move it), and one cell is rerun at
 smaller C (`step_sweep`: how much of the level the step size sets).
 Writes one record per run to results/rate_gpt/rate_gpt-<profile>.json (reused run by run while the grid and
@@ -75,7 +78,8 @@ def split_check(quick: bool, start: Path) -> dict:
     data = TokenData(cfg.data)
     model = GPT(preset("nano", vocab_size=data.vocab_size))
     model.load_state_dict(checkpoint.read_model(start))
-    return {k: held_out_gradient_sq(model, data, k) for k in SPLITS}
+    return {**{k: held_out_gradient_sq(model, data, k) for k in SPLITS},
+            "train_unseen": training_gradient_sq(model, data, unseen_training_windows(data, 0, 0, 1))}
 
 
 def reference(quick: bool) -> tuple[Path, list[dict]]:
@@ -120,7 +124,12 @@ def held_out_gradient_sq(model, data, split: str = "alternate") -> dict:
         plug-in   ||(g_A + g_B) / 2||^2  = unbiased + floor: the squared norm of the full-sample gradient,
                                           biased upward by its own variance."""
     x, y = next(data.eval_batches("val", batch=HELD_OUT_WINDOWS))
-    halves, first = [], SPLITS[split](np.arange(len(x)))
+    return _two_halves(model, x, y, SPLITS[split](np.arange(len(x))))
+
+
+def _two_halves(model, x: np.ndarray, y: np.ndarray, first: np.ndarray) -> dict:
+    """unbiased, floor and plug-in estimates (held_out_gradient_sq) from windows x, y split by the mask `first`."""
+    halves = []
     for idx in (first, ~first):
         model.zero_grad(set_to_none=True)
         xs, ys = torch.from_numpy(x[idx]), torch.from_numpy(y[idx])
@@ -131,6 +140,24 @@ def held_out_gradient_sq(model, data, split: str = "alternate") -> dict:
     model.zero_grad(set_to_none=True)
     a, b = halves
     return {"unbiased": float(a @ b), "floor": float(((a - b) ** 2).sum() / 4), "plug_in": float(((a + b) ** 2).sum() / 4)}
+
+
+def unseen_training_windows(data, seed: int, steps: int, n: int) -> np.ndarray:
+    """The starts of HELD_OUT_WINDOWS training windows a run of `steps` steps on n ranks never reads: the last ones of
+    its seed's first-epoch permutation (the sampler reads that permutation from its head, mecefo.data)."""
+    offset, perm = data.epoch_order(seed, 0)
+    read = steps * n * PER_RANK_BATCH
+    if read + HELD_OUT_WINDOWS > len(perm):
+        raise ValueError(f"a run reading {read} windows leaves fewer than {HELD_OUT_WINDOWS} of {len(perm)} unseen")
+    return offset + perm[-HELD_OUT_WINDOWS:].astype(np.int64) * (data.cfg.seq_len + 1)
+
+
+def training_gradient_sq(model, data, starts: np.ndarray) -> dict:
+    """held_out_gradient_sq's three estimates on training windows (starts: unseen_training_windows), alternately
+    assigned to the two halves: the windows are in random order, so each half is a random set of windows."""
+    t = data.cfg.seq_len
+    xy = np.stack([data.tokens["train"][s:s + t + 1] for s in starts]).astype(np.int64)
+    return _two_halves(model, xy[:, :-1], xy[:, 1:], np.arange(len(starts)) % 2 == 0)
 
 
 def one_run(policy: str, n: int, steps: int, seed: int, start: Path, c: float = C) -> dict:
@@ -145,10 +172,12 @@ def one_run(policy: str, n: int, steps: int, seed: int, start: Path, c: float = 
     training.model.load_state_dict(checkpoint.read_model(start))
     training.start(resume=False)
     points = sorted({round(k * steps / EVAL_POINTS) for k in range(EVAL_POINTS + 1)})
+    unseen = unseen_training_windows(training.data, seed, steps, n)
     estimates, failed_steps = [], 0
     for step in range(steps + 1):
         if step in points:
-            estimates.append(held_out_gradient_sq(training.model, training.data))
+            estimates.append({**held_out_gradient_sq(training.model, training.data),
+                              **{f"train_{k}": v for k, v in training_gradient_sq(training.model, training.data, unseen).items()}})
         if step < steps:
             row, plan = training.step(step, training.schedule.failed[step])
             training.record(row)
@@ -157,7 +186,7 @@ def one_run(policy: str, n: int, steps: int, seed: int, start: Path, c: float = 
     per_point = {k: [e[k] for e in estimates] for k in estimates[0]}
     return {"policy": policy, "n": n, "T": steps, "seed": seed, "C": c, "lr": cfg.optim.lr, "config_hash": cfg.hash(),
             "points": points, **{f"grad_sq_{k}": v for k, v in per_point.items()},
-            "avg_grad_sq": float(np.mean(per_point["unbiased"])), "avg_grad_sq_plug_in": float(np.mean(per_point["plug_in"])),
+            "avg_grad_sq": float(np.mean(per_point["unbiased"])), "avg_grad_sq_train": float(np.mean(per_point["train_unbiased"])), "avg_grad_sq_plug_in": float(np.mean(per_point["plug_in"])),
             "failed_step_fraction": failed_steps / steps, "final_loss": row["loss"]}
 
 

@@ -6,8 +6,13 @@ results/sweep/table3-<profile>.json, which paper_figures.sweep only renders.
 
 The default profile reads every sweep index that results/ holds beside it (index-default.json and, after
 `--long`, index-long.json): a row uses every seed any of them ran, and says which profile those seeds come from.
-A word is printed only where a rerun on another machine would print it too with probability >= 95%
-(mecefo.stats.decide); elsewhere the row says "not decided with k seeds" and how many would decide it.
+Every change is decided on the log scale (100 ln(a / b), the scale the pooled noise is fitted on) and printed as
+percent. A word is printed only where a rerun on another machine (new draws of every seed) would give it with
+probability >= 95% from its own 95% interval (mecefo.stats.decide); each row states that probability, its margin
+from the threshold, and the probability that a rerun deciding by this same rule prints the word again (about 50% at
+the threshold: any threshold rule has that). Elsewhere the row says "not decided with k seeds" and how many would
+decide it at the sd's upper bound. The pooled noise's homogeneity is tested (Bartlett over disjoint groups of
+configurations) and the words under per-group pooling are written beside.
 """
 
 from __future__ import annotations
@@ -22,8 +27,8 @@ from mecefo import failures
 from mecefo.errors import UsageError
 from mecefo.records import atomic_write_json, git_commit
 from mecefo.results import RESULTS, load_config, paper_numbers, quick_flag
-from mecefo.stats import (Noise, bonferroni_level, block_noise, decide, paired_relative_change, sample_noise,
-                          seeds_to_clear)
+from mecefo.stats import (Noise, bartlett, bonferroni_level, block_noise, decide, direction_threshold, log_change, log_points,
+                          interval_half_width, percent, rerun_probability, sample_noise, seeds_to_decide)
 
 from .common import guarded
 
@@ -115,15 +120,16 @@ def paper_range(level: str) -> dict:
     return {"printed": [min(printed), max(printed)], "with_rounding": [min(lo), max(hi)], "source": t3["source"]}
 
 
-def against(interval: tuple[float, float], rng: list[float]) -> str:
-    lo, hi = interval
-    if lo > rng[1]:
-        return "above the paper's range"
-    if hi < rng[0]:
-        return "below the paper's range"
-    if rng[0] <= lo and hi <= rng[1]:
-        return "within the paper's range"
-    return "overlapping the paper's range (not distinguished from it)"
+def where(mean: float, noise: Noise, pairs: int, rng: list[float], level: float = 0.95) -> dict:
+    """Where a row lies against the paper's range (percent, with its rounding), decided like the words: 'above',
+    'below' or 'within' the range only where a rerun's 95% interval says so with probability >= AGREE."""
+    lo, hi = (float(log_points(v)) for v in rng)
+    p = {"above": rerun_probability(mean, noise.sd, pairs, noise.df, lower=hi, level=level),
+         "below": rerun_probability(mean, noise.sd, pairs, noise.df, upper=lo, level=level),
+         "within": rerun_probability(mean, noise.sd, pairs, noise.df, lo, hi, level)}
+    best = max(p, key=p.get)
+    word = f"{best} the paper's range" if p[best] >= AGREE else "not distinguished from the paper's range"
+    return {"where": word, "probability": p[best], "probabilities": p}
 
 
 def warm_start_share(base: str) -> dict:
@@ -138,8 +144,8 @@ def warm_start_share(base: str) -> dict:
 
 def n_sweep(cells: list[dict], level: float = 0.95) -> list[dict]:
     """Per n: mecefo's and drop's change at high failures against failure-free training at n = 1 (the same
-    samples at every n), paired by seed over the seeds that ran both; with two or more seeds the mean's Student-t
-    interval from those differences alone (the n-sweep's own noise)."""
+    samples at every n), paired by seed over the seeds that ran both, on the log scale and printed as percent; with
+    two or more seeds the mean's Student-t interval from those differences alone (the n-sweep's own noise)."""
     main = {(c["n"], c["level"], c["policy"], c["seed"]): c["val_ppl"] for c in cells if c["tag"] == "main"}
     refs = {s: v for (n, lvl, p, s), v in main.items() if (n, lvl, p) == (1, "none", "none")}
     out = []
@@ -150,8 +156,12 @@ def n_sweep(cells: list[dict], level: float = 0.95) -> list[dict]:
             if not pairs:
                 row[p] = row[f"{p}_ci"] = None
                 continue
-            ch = paired_relative_change([a for a, _ in pairs], [b for _, b in pairs], level)
-            row[p], row[f"{p}_ci"], row[f"{p}_seeds"] = ch.mean, (list(ch.ci) if ch.pairs > 1 else None), ch.pairs
+            d = log_change([a for a, _ in pairs], [b for _, b in pairs])
+            row[p], row[f"{p}_seeds"] = float(percent(d.mean())), len(d)
+            row[f"{p}_ci"] = None
+            if len(d) > 1:
+                half = interval_half_width(float(d.std(ddof=1)), len(d), level)
+                row[f"{p}_ci"] = [float(percent(d.mean() - half)), float(percent(d.mean() + half))]
         out.append(row)
     return out
 
@@ -168,20 +178,52 @@ def n_alone(cells: list[dict], n: int) -> dict | None:
 
 def resolution(paper: dict, noise: Noise, cells: list[dict], n: int, level: float = 0.95) -> dict:
     """What deciding the paper's low and mid effects would take if they held here: seeds per row for a size within
-    the tolerance and for a direction (mecefo.stats.decide's closed form at the sd's upper bound), and the hours of
-    runs (a failure-free and a MeCeFO run per seed, at the mean measured time of a run at n)."""
+    the tolerance and for a direction (mecefo.stats.seeds_to_decide at the sd's upper bound), and the hours of runs
+    (a failure-free and a MeCeFO run per seed, at the mean measured time of a run at n)."""
     times = [c["wall_time_s"] for c in cells if c.get("wall_time_s") and c["n"] == n]
     run_s = float(np.mean(times)) if times else None
-    seeds = lambda d: seeds_to_clear(d, noise.upper, noise.df, level, AGREE)  # noqa: E731
+    seeds = lambda pct, claim: seeds_to_decide(float(log_points(pct)), noise.upper, noise.df, claim, TOLERANCE,  # noqa: E731
+                                               level, AGREE)
     hours = lambda k: None if k is None or run_s is None else 2 * k * run_s / 3600  # noqa: E731
     out = {"run_s": run_s}
     for lvl in ("low", "mid"):
         if lvl in paper:
             lo, hi = paper[lvl]["printed"]
-            within, direction = seeds(TOLERANCE - hi), seeds(lo)
+            within, direction = seeds(hi, "within"), seeds(lo, "direction")
             out[lvl] = {"effect": [lo, hi], "within_seeds": within, "within_hours": hours(within),
                         "direction_seeds": direction, "direction_hours": hours(direction)}
     return out
+
+
+def power(noise: Noise, level: float = 0.95, seeds: range = range(2, 65)) -> dict:
+    """The |mean| (log points) a direction word needs against the number of seeds, at the pooled sd and at its upper
+    bound (mecefo.stats.direction_threshold), for the power figure."""
+    return {"seeds": list(seeds),
+            "at_sd": [direction_threshold(noise.sd, k, noise.df, level, AGREE) for k in seeds],
+            "at_upper": [direction_threshold(noise.upper, k, noise.df, level, AGREE) for k in seeds]}
+
+
+def group_noise(at: list[dict], table_rows: list[dict], level: float = 0.95) -> dict:
+    """The pooled noise's homogeneity: one block fit per group of rows (its configurations with the failure-free runs
+    they are compared with; the cold row's own noise), the per-group sds, and Bartlett's test of equal variance
+    across the groups that have residual df (approximate: the groups share the failure-free runs)."""
+    by_key = {}
+    for c in at:
+        by_key.setdefault(key(c), []).append(c)
+    groups = {}
+    for r in table_rows:
+        groups.setdefault(r["group"], set()).update({r["a"], r["b"]})
+    out = {}
+    for g, keys in groups.items():
+        runs = [(k, c["seed"], c["val_ppl"]) for k in keys for c in by_key.get(k, [])]
+        try:
+            nz = block_noise(runs, level)
+        except ValueError:
+            continue
+        out[g] = asdict(nz)
+    tested = {g: v for g, v in out.items() if v["df"] >= 1}
+    test = bartlett([v["sd"] ** 2 for v in tested.values()], [v["df"] for v in tested.values()]) if len(tested) > 1 else None
+    return {"groups": out, "bartlett": test}
 
 
 def decide_table(cells: list[dict], meta: dict, level: float = 0.95) -> dict:
@@ -199,13 +241,13 @@ def decide_table(cells: list[dict], meta: dict, level: float = 0.95) -> dict:
                              f"({twin['config_hash']} in {twin['profiles']}, {c['config_hash']} in {c['profiles']}); "
                              "rerun python -m experiments.sweep for the stale profile or move its index away")
         by[key(c)][c["seed"]] = c
-    table = []
-    for r in rows(cells, n):
+    table, layout = [], rows(cells, n)
+    for r in layout:
         xa, xb = by.get(r["a"], {}), by.get(r["b"], {})
         seeds = sorted(set(xa) & set(xb))
         if not seeds:
             continue
-        d = np.array([100 * (xa[s]["val_ppl"] / xb[s]["val_ppl"] - 1) for s in seeds])
+        d = log_change([xa[s]["val_ppl"] for s in seeds], [xb[s]["val_ppl"] for s in seeds])
         if r.get("own_noise") and len(d) < 2:
             continue
         row_noise = sample_noise(d, level) if r.get("own_noise") else noise
@@ -215,21 +257,26 @@ def decide_table(cells: list[dict], meta: dict, level: float = 0.95) -> dict:
         table.append({**{k: r[k] for k in ("id", "group", "comparison")}, "figure3": r.get("figure3", False),
                       "seeds": seeds, "differences": d.tolist(), "sample_sd": float(d.std(ddof=1)) if len(d) > 1 else None,
                       "profile": "long" if "long" in profiles else profiles.pop(), **asdict(v),
+                      "change_pct": float(percent(v.mean)), "change_ci_pct": [float(percent(x)) for x in v.ci],
                       "noise": "pooled" if row_noise is noise else asdict(row_noise)})
     family = len(table)
     fam_level = bonferroni_level(level, family)
+    homogeneity = group_noise([c for c in at if c["tag"] != "cold"], [r for r in layout if not r.get("own_noise")], level)
     for row in table:
-        row_noise = noise if row["noise"] == "pooled" else Noise(**row["noise"])
-        row["word_family"] = decide(row["mean"], row["pairs"], row_noise, TOLERANCE, fam_level, AGREE,
-                                    own=row["noise"] != "pooled").word
+        own = row["noise"] != "pooled"
+        row_noise = Noise(**row["noise"]) if own else noise
+        row["word_family"] = decide(row["mean"], row["pairs"], row_noise, TOLERANCE, fam_level, AGREE, own=own).word
+        grp = homogeneity["groups"].get(row["group"])
+        row["word_group_noise"] = (row["word"] if own else None if grp is None or grp["df"] < 1 else
+                                   decide(row["mean"], row["pairs"], Noise(**grp), TOLERANCE, level, AGREE).word)
     paper = {}
     for lvl in LEVELS[1:]:
         main = next((row for row in table if row["id"] == f"main:{lvl}:mecefo:mecefo/{':'.join(NONE)}"), None)
         if main is not None:
             rng = paper_range(lvl)
-            # read from the replication interval, like the words: a rerun elsewhere says the same
-            paper[lvl] = {**rng, "ours_ci": main["ci"], "ours_replication": main["replication"],
-                          "where": against(main["replication"], rng["with_rounding"])}
+            # decided like the words: where a rerun's interval would place it with probability >= AGREE
+            paper[lvl] = {**rng, "ours_ci": main["change_ci_pct"], "ours_change": main["change_pct"],
+                          **where(main["mean"], noise, main["pairs"], rng["with_rounding"], level)}
     base = first["base_config"]
     cfg = load_config(base)
     keep = ("tag", "n", "level", "policy", "techniques", "failable", "seed", "run", "val_ppl", "profiles", "wall_time_s")
@@ -240,6 +287,7 @@ def decide_table(cells: list[dict], meta: dict, level: float = 0.95) -> dict:
             "cells": [{k: c.get(k) for k in keep} for c in cells], "n_alone": n_alone(cells, n),
             # at one sequence per rank spread-mecefo cannot split a failed rank's rows over survivors
             "spread_splits_rows": cfg.data.micro_batch_size // n > 1,
+            "homogeneity": homogeneity, "power": power(noise, level),
             "resolution": resolution(paper, noise, at, n, level), "warm_start": warm_start_share(base), "failure_hours": hours,
             "cold_failure_hours": cold_hours, "indices": meta, "base_config": base,
             "resolved_base_config": cfg.to_dict(), "git_commit": git_commit()}
@@ -256,8 +304,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"pooled noise: sd {noise['sd']:.3f} points per paired difference ({noise['df']} df, 95% upper bound "
           f"{noise['upper']:.3f}) from {noise['runs']} runs at n = {result['n']}")
     for r in result["rows"]:
-        print(f"  {r['group'][:40]:40s} {r['comparison']:32s} {r['mean']:+6.2f}% [{r['ci'][0]:+.2f}, {r['ci'][1]:+.2f}] "
-              f"{r['pairs']} seeds: {r['word']}")
+        print(f"  {r['group'][:40]:40s} {r['comparison']:32s} {r['change_pct']:+6.2f}% [{r['change_ci_pct'][0]:+.2f}, "
+              f"{r['change_ci_pct'][1]:+.2f}] {r['pairs']} seeds: {r['word']} (P {r['probability']:.3f})")
+    test = result["homogeneity"]["bartlett"]
+    if test:
+        print(f"homogeneity of the pooled noise: Bartlett chi2 {test['statistic']:.2f} on {test['df']} df, p = {test['p']:.3g}")
     print(f"-> {path}")
     return 0
 

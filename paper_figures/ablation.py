@@ -30,6 +30,17 @@ def load_result(quick: bool) -> dict:
     return json.loads(path.read_text())
 
 
+def room(df: pd.DataFrame) -> str:
+    """Naive NDB's largest micro-batch under ZeRO-2 as a share of a normal rank's, per preset (from the records)."""
+    parts = []
+    for name, group in df.groupby("preset", sort=False):
+        if {"normal rank", "naive NDB"} <= set(group["row"]):
+            normal, naive = (group[group["row"] == r].iloc[0]["memory_fit"]["zero2_max_batch"] for r in ("normal rank", "naive NDB"))
+            if normal:
+                parts.append(f"{name} {naive} of {normal} ({100 * naive / normal:.0f}%)")
+    return ("; naive NDB's largest micro-batch against a normal rank's: " + ", ".join(parts)) if parts else ""
+
+
 def table(result: dict) -> str:
     df = pd.DataFrame(result["records"])
     r_main = 64 if 64 in result["settings"]["r_values"] else result["settings"]["r_values"][0]
@@ -48,7 +59,7 @@ def table(result: dict) -> str:
              f"gradients and AdamW moments (16 B/parameter); ZeRO-2 = gradients and moments sharded over "
              f"{result['dp_ranks']} data-parallel ranks. Temporaries and fragmentation are not included. The last "
              "column is the largest micro-batch (sequences) each row could run under ZeRO-2 (activations grow "
-             "linearly with it): a normal rank tuned to fill memory leaves naive NDB half the room it needs.\n",
+             f"linearly with it){room(df)}.\n",
              PAPER_NOTE + "\n"]
     for name, group in df.groupby("preset", sort=False):
         base = group[group["row"] == "normal rank"].iloc[0]

@@ -13,13 +13,29 @@ from mecefo.errors import guarded
 from mecefo.results import RESULTS, measurement, quick_flag
 from analysis.rate import POLICIES
 
-from .common import update_readme, write_table
+from .common import ROOT, update_readme, write_table
 from .sweep import COLD_ID, main_id
 from .throughput import in_order
 
 
 def _read(path):
     return json.loads(path.read_text()) if path.exists() else None
+
+
+def pct(r: dict) -> str:
+    """A row's change and 95% interval, read back from the log scale as percent."""
+    return f"{r['change_pct']:+.2f}% [{r['change_ci_pct'][0]:+.2f}, {r['change_ci_pct'][1]:+.2f}]"
+
+
+def word(r: dict) -> str:
+    """A row's word with the qualifiers it needs: the family-wise word where it differs, and for a direction the
+    probability that a rerun deciding by the same rule prints it again."""
+    out = r["word"]
+    if r["repeat"] is not None and not out.startswith("not decided"):
+        out += f", repeated by a rerun with P {r['repeat']:.2f}"
+    if r["word_family"] != r["word"]:
+        out += f"; family-wise: {r['word_family']}"
+    return out
 
 
 def quality(t3: dict | None) -> str:
@@ -30,7 +46,7 @@ def quality(t3: dict | None) -> str:
     for lvl in ("low", "mid", "high"):
         r = by.get(main_id(lvl, "mecefo", "none"))
         if r:
-            parts.append(f"{lvl} {r['mean']:+.2f}% [{r['ci'][0]:+.2f}, {r['ci'][1]:+.2f}] *{r['word']}* ({r['pairs']} seeds)")
+            parts.append(f"{lvl} {pct(r)} *{word(r)}* ({r['pairs']} seeds)")
     vs = by.get(main_id("high", "mecefo", "drop"))
     paper = t3["paper"].get("high")
     line = (f"- **Quality (Table 3 analog, {t3['n']} ranks, validation perplexity, MeCeFO − failure-free, paired "
@@ -40,11 +56,9 @@ def quality(t3: dict | None) -> str:
                  f"ours is {paper['where']}.")
     cold = by.get(COLD_ID)
     if cold:
-        line += (f" Without the failure-free warm start, high: {cold['mean']:+.2f}% [{cold['ci'][0]:+.2f}, {cold['ci'][1]:+.2f}] "
-                 f"*{cold['word']}* ({cold['pairs']} seeds, its own noise).")
+        line += f" Without the failure-free warm start, high: {pct(cold)} *{word(cold)}* ({cold['pairs']} seeds, its own noise)."
     if vs:
-        line += (f" MeCeFO − drop (torchft's policy) at high: {vs['mean']:+.2f}% [{vs['ci'][0]:+.2f}, {vs['ci'][1]:+.2f}] "
-                 f"*{vs['word']}*.")
+        line += f" MeCeFO − drop (torchft's policy) at high: {pct(vs)} *{word(vs)}*."
     return line
 
 
@@ -68,10 +82,9 @@ def throughput(t2: dict | None, hyp: dict | None) -> list[str]:
 
 def theory(grad: dict | None, rate: dict | None) -> list[str]:
     lines = []
-    if grad is not None and grad["points"]:
-        worst = max(p["relative error"] for p in grad["points"])
+    if grad is not None and grad.get("max_relative_error") is not None:
         lines.append(f"- **Assumption 3 (relative gradient error of MeCeFO against failure-free on the same batch):** "
-                     f"at most {worst:.2f} over {len(grad['points'])} steps with an active failure "
+                     f"at most {grad['max_relative_error']:.2f} over {len(grad['points'])} steps with an active failure "
                      f"(the paper: below {grad['paper_bound']}; the theory needs < 1).")
     if rate is not None:
         fits = rate["synthetic"]["fits"]
@@ -87,21 +100,48 @@ def theory(grad: dict | None, rate: dict | None) -> list[str]:
     return lines
 
 
-def float_check(result: dict | None) -> str:
-    """The rerun of the deciding rows in another float environment (experiments.float_check), word by word."""
+def float_check(result: dict | None, which: dict | None) -> str:
+    """Which float settings change the bits here, and the whole table rerun under them (experiments.float_check)."""
+    lines = []
+    if which is not None:
+        own = which["own"]
+        changed = [f"`{' '.join(f'{k}={v}' for k, v in w['env'].items())}`" for w in which["settings"].values() if w["changes_bits"]]
+        same = [f"`{' '.join(f'{k}={v}' for k, v in w['env'].items())}`" for w in which["settings"].values() if not w["changes_bits"]]
+        lines.append(f"Which float settings change the bits here ({which['steps']} steps of the sweep's base config, "
+                     f"failures from step 0, against this machine's own: {own['capability']}, {own['threads']} threads): "
+                     f"{', '.join(changed) or 'none'} change them; {', '.join(same) or 'none'} leave them as they are.")
     if result is None:
-        return "not run here yet (`python -m experiments.float_check`).\n"
-    rows = "; ".join(f"{r} {v['original']['mean']:+.2f}% *{v['original']['word']}* -> {v['rerun']['mean']:+.2f}% "
-                     f"*{v['rerun']['word']}*" for r, v in result["rows"].items())
-    moved = (f"every run's perplexity moved (by {result['mean_abs_change_of_ppl_pct']:.2f}% on average, at most "
-             f"{result['max_abs_change_of_ppl_pct']:.2f}%)" if result["max_abs_change_of_ppl_pct"] > 0 else
-             "no run's perplexity moved (the check tested nothing)")
-    threads = f" and {result['rerun_threads']} intra-op thread(s)" if "rerun_threads" in result else ""
-    return (f"with torch's CPU kernels at {result.get('rerun_capability', result['capability'])}{threads} instead of "
-            f"{result.get('original_capability', 'this machine')}'s, {moved}, "
-            f"and {result['words_changed']} of {len(result['rows'])} words changed (high failures, seeds "
-            f"{', '.join(map(str, result['seeds']))}, decided with the same pooled noise): {rows}. Commit "
-            f"`{result['git_commit'][:12]}`.\n")
+        lines.append("The table has not been rerun under them here yet (`python -m experiments.float_check`).")
+        return "\n\n".join(lines) + "\n"
+    for name, s in result["settings"].items():
+        flips = [f"{r['group']}, {r['comparison']}: {r['original']['change_pct']:+.2f}% *{r['original']['word']}* -> "
+                 f"{r['rerun']['change_pct']:+.2f}% *{r['rerun']['word']}*"
+                 for r in s["rows"].values() if r["original"]["word"] != r["rerun"]["word"]]
+        nz = s["noise"]
+        lines.append(
+            f"Under `{' '.join(f'{k}={v}' for k, v in s['env'].items())}` ({s['capability']}, {s['threads']} threads), "
+            f"all {s['runs']} runs of the table rerun: every run's perplexity moved by {s['mean_abs_change_of_ppl_pct']:.2f}% "
+            f"on average (at most {s['max_abs_change_of_ppl_pct']:.2f}%); the pooled noise re-estimated from the reruns "
+            f"is {nz['rerun']['sd']:.2f} ({nz['rerun']['df']} df) against {nz['original']['sd']:.2f}; "
+            f"{s['words_changed']} of {len(s['rows'])} rows' words changed, and {s['printed_lost']} of the {s['printed']} "
+            f"printed words were lost, against {s['printed_lost_expected']:.2f} expected from their stated probabilities"
+            + (": " + "; ".join(flips) if flips else "") + f". Commit `{result['git_commit'][:12]}`.")
+    return "\n\n".join(lines) + "\n"
+
+
+def golden(tol: dict) -> str:
+    """The golden tolerance and what it was measured over (tests/golden/tolerance.json, tests.test_golden --measure)."""
+    name = lambda s: " ".join(f"{k}={v}" for k, v in s["setting"].items()) or "nothing set"  # noqa: E731
+    changed = [f"`{name(c)}` at {c['threads']} thread{'s' if c['threads'] > 1 else ''}" for c in tol["settings_that_changed_the_bits"]]
+    earlier = "; ".join(f"{e['max_rel_dev']:.1e} ({e['pairs']} comparison: {e['what']})" for e in tol["earlier_machines"])
+    return (f"  Measured here ({tol['capability']}, torch {tol['torch']}): {tol['settings']} runs of the golden table (float "
+            f"settings x 1 and 2 threads), {tol['pairs']} pairs; {len(changed)} of them differ in the bits from this "
+            f"machine's own (nothing set, 1 thread){': ' + ', '.join(changed) if changed else ''}. The largest relative "
+            f"deviation between any two is {tol['max_pairwise_rel_dev']:.1e}; "
+            + (f"an earlier machine's golden file deviated by {earlier}; " if earlier else "")
+            + f"the golden losses are compared within rtol {tol['rtol']:.0e} ({tol['safety_factor']} x the largest, "
+            f"{tol['measured_max_rel_dev']:.1e}). `tests/test_golden.py` shows the check fails when r, tau, the MHA divisor "
+            "or the weight of the neighbour's pieces in the aggregate (by 5%) changes, and passes a 1-ulp perturbation of the initial weights.")
 
 
 def headline(quick: bool) -> str:
@@ -117,11 +157,13 @@ def headline(quick: bool) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     quick = quick_flag(argv, __doc__)
-    text = headline(quick)
-    check = float_check(_read(RESULTS / "float_check" / f"float_check-{'quick' if quick else 'default'}.json"))
+    text, profile = headline(quick), "quick" if quick else "default"
+    check = float_check(_read(RESULTS / "float_check" / f"float_check-{profile}.json"),
+                        _read(RESULTS / "float_check" / f"which-{profile}.json"))
     paths = [write_table("headline", text + "\n" + check)]
     if not quick:
-        paths += [update_readme("headline", text), update_readme("float_check", check.rstrip("\n"))]
+        paths += [update_readme("headline", text), update_readme("float_check", check.rstrip("\n")),
+                  update_readme("golden", golden(json.loads((ROOT / "tests" / "golden" / "tolerance.json").read_text())))]
     for p in paths:
         if p is not None:
             print(f"wrote {p}")

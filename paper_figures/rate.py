@@ -49,12 +49,16 @@ def _slope(f: dict | None) -> str:
 def gpt_table(gpt: dict) -> str:
     lines = [f"# Theorem 1's rate on the GPT (nano from a checkpoint trained {gpt['reference_steps']} steps, momentum "
              "SGD, eta = C sqrt(n/T), per-rank batch fixed)\n",
-             "| policy | slope of (1/T) sum ‖grad f(x_t)‖² against nT (unbiased), 95% interval | word | plug-in estimate's slope | "
-             "slope of the excess over the start |", "|---|---|---|---|---|"]
+             "| policy | slope of (1/T) sum ‖grad f(x_t)‖² against nT (held-out, unbiased), 95% interval | word | plug-in "
+             "estimate's slope | slope of the excess over the start | on unseen training windows | held-out, in log n | "
+             "held-out, in log T |", "|---|---|---|---|---|---|---|---|"]
     for p in (p for p in POLICIES if p in gpt["fits"]):
         f = gpt["fits"][p]
+        two = f.get("n_and_T")
         lines.append(f"| {p} | {_slope(f['unbiased'])} | {f['unbiased']['word'] if f['unbiased'] else 'not fitted'} | "
-                     f"{_slope(f['plug_in'])} | {_slope(f['excess_over_start'])} |")
+                     f"{_slope(f['plug_in'])} | {_slope(f['excess_over_start'])} | {_slope(f.get('train'))} | "
+                     f"{_slope(two and {'slope': two['slope_n'], 'ci95': two['ci95_n']})} | "
+                     f"{_slope(two and {'slope': two['slope_T'], 'ci95': two['ci95_T']})} |")
     lines.append(f"\n{gpt['verdict']}")
     return "\n".join(lines) + "\n"
 

@@ -19,7 +19,6 @@ import seaborn as sns
 from mecefo.errors import UsageError, guarded
 from mecefo.model import count_parameters, preset
 from mecefo.results import RESULTS, paper_numbers, quick_flag
-from mecefo.stats import replication_factor
 
 from .common import plain_log_ticks, read_jsonl, save_figure, style, update_readme, write_table
 
@@ -122,8 +121,9 @@ def ppl_vs_level(t3: dict):
     for k, policy in enumerate(("mecefo", "drop", "spread-mecefo")):
         pts = [(i + (k - 1) * 0.14, r) for i, lvl in enumerate(levels) if (r := row(t3, main_id(lvl, policy, "none")))]
         if pts:
-            ax.errorbar([x for x, _ in pts], [r["mean"] for _, r in pts], capsize=3, fmt="o", label=name(policy),
-                        yerr=[[r["mean"] - r["ci"][0] for _, r in pts], [r["ci"][1] - r["mean"] for _, r in pts]])
+            ax.errorbar([x for x, _ in pts], [r["change_pct"] for _, r in pts], capsize=3, fmt="o", label=name(policy),
+                        yerr=[[r["change_pct"] - r["change_ci_pct"][0] for _, r in pts],
+                              [r["change_ci_pct"][1] - r["change_pct"] for _, r in pts]])
     for i, lvl in enumerate(levels):
         if lvl in t3["paper"]:
             lo, hi = t3["paper"][lvl]["with_rounding"]
@@ -197,8 +197,8 @@ def figure3(df: pd.DataFrame, t3: dict):
     ax.set(title=f"Figure 3 analog: n = {n}, high failures (20-step mean)")
     mark_warm_start(ax, t3)
     bars = [r for r in t3["rows"] if r["figure3"]]
-    bx.errorbar(range(len(bars)), [r["mean"] for r in bars], capsize=4, fmt="o",
-                yerr=[[r["mean"] - r["ci"][0] for r in bars], [r["ci"][1] - r["mean"] for r in bars]])
+    bx.errorbar(range(len(bars)), [r["change_pct"] for r in bars], capsize=4, fmt="o",
+                yerr=[[r["change_pct"] - r["change_ci_pct"][0] for r in bars], [r["change_ci_pct"][1] - r["change_pct"] for r in bars]])
     bx.axhline(0, color="k", lw=0.8)
     bx.set_xticks(range(len(bars)), [r["comparison"].replace(" − ", "\n− ") for r in bars], fontsize=7)
     bx.set(ylabel="change of val ppl (%), 95% interval", title="paired by seed (pooled noise)")
@@ -206,20 +206,18 @@ def figure3(df: pd.DataFrame, t3: dict):
 
 
 def power_figure(t3: dict):
-    """The distance from a decision boundary that a word needs (replication half-width, mecefo.stats.decide)
-    against the number of seeds, at the pooled sd and at its upper bound; beside it, how far each high-level
-    mean lies from 0."""
-    noise, ks = t3["noise"], np.arange(2, 65)
-    factor = replication_factor(noise["df"], t3["level"], t3["agree"])
+    """The |mean| a direction word needs against the number of seeds, at the pooled sd and at its upper bound
+    (experiments.table3.power); beside it, how far each high-level mean lies from 0."""
+    noise, pw = t3["noise"], t3["power"]
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
-    for sd, label, ls in ((noise["sd"], f"pooled sd {noise['sd']:.2f} ({noise['df']} df)", "-"),
-                          (noise["upper"], f"its 95% upper bound {noise['upper']:.2f}", "--")):
-        ax.plot(ks, factor * sd / np.sqrt(ks), ls=ls, color="k", label=label)
+    for curve, label, ls in (("at_sd", f"pooled sd {noise['sd']:.2f} ({noise['df']} df)", "-"),
+                             ("at_upper", f"its 95% upper bound {noise['upper']:.2f}", "--")):
+        ax.plot(pw["seeds"], pw[curve], ls=ls, color="k", label=label)
     for (a, b), color in zip((("mecefo", "none"), ("drop", "none"), ("mecefo", "drop")), sns.color_palette()):
         r = row(t3, main_id("high", a, b))
         if r is not None:
             ax.axhline(abs(r["mean"]), color=color, ls=":", label=f"|{name(a)} − {name(b)}| at high ({r['pairs']} seeds)")
-    ax.set(xlabel="seeds", ylabel="distance a word needs (points of %)", yscale="log",
+    ax.set(xlabel="seeds", ylabel="|100 ln(ppl ratio)| a word needs", yscale="log",
            title=f"Seeds a verdict needs, n = {t3['n']}")
     plain_log_ticks(ax.yaxis)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
@@ -242,9 +240,11 @@ def trajectory_spread(t3: dict) -> str:
 def against_paper(t3: dict) -> str:
     parts = [f"{lvl} [{p['ours_ci'][0]:+.2f}, {p['ours_ci'][1]:+.2f}]% against the paper's +{p['printed'][0]:.2f} .. "
              f"+{p['printed'][1]:.2f}% (+{p['with_rounding'][0]:.2f} .. +{p['with_rounding'][1]:.2f}% with its two-decimal "
-             f"rounding): {p['where']}" for lvl, p in sorted(t3["paper"].items(), key=lambda kv: LEVELS.index(kv[0]))]
+             f"rounding): {p['where']} (P {p['probability']:.2f})"
+             for lvl, p in sorted(t3["paper"].items(), key=lambda kv: LEVELS.index(kv[0]))]
     if parts:
-        parts[-1] += " (each read from the replication interval, as the words are)"
+        parts[-1] += (f" (each decided as the words are: 'above', 'below' or 'within' only where a rerun's interval "
+                      f"would say so with probability >= {100 * t3['agree']:.0f}%; P: that probability for the likeliest)")
     return ("MeCeFO − failure-free, ours against the paper's range over 350M-7B: " + "; ".join(parts) + ".") if parts else ""
 
 
@@ -265,15 +265,38 @@ def evaluation_words(t3: dict) -> str:
 
 
 def paired_table(t3: dict, figure3_rows: bool = False) -> list[str]:
-    lines = ["| row | comparison | change of val ppl (95% interval) | verdict | seeds (profile) | seeds a verdict needs |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| row | comparison | change of val ppl (95% interval) | verdict | P (margin) | repeat | seeds (profile) | "
+             "seeds a verdict needs | word under its group's noise |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in (r for r in t3["rows"] if r["figure3"] == figure3_rows):
         word = r["word"] + ("" if r["word_family"] == r["word"] else f" (family-wise: {r['word_family']})")
         need = ("— (decided)" if not r["word"].startswith("not decided") else
                 f"{r['seeds_needed']} (for '{r['needed_for']}')" if r["seeds_needed"] else "more than 10,000")
-        lines.append(f"| {r['group']} | {r['comparison']} | {r['mean']:+.2f}% [{r['ci'][0]:+.2f}, {r['ci'][1]:+.2f}] | "
-                     f"{word} | {r['pairs']} ({r['profile']}) | {need} |")
+        margin = "" if r["margin"] is None else f" ({r['margin']:+.2f})"
+        repeat = "—" if r["repeat"] is None else f"{r['repeat']:.2f}"
+        group = "—" if r.get("word_group_noise") is None else r["word_group_noise"]
+        lines.append(f"| {r['group']} | {r['comparison']} | {r['change_pct']:+.2f}% [{r['change_ci_pct'][0]:+.2f}, "
+                     f"{r['change_ci_pct'][1]:+.2f}] | {word} | {r['probability']:.3f}{margin} | {repeat} | "
+                     f"{r['pairs']} ({r['profile']}) | {need} | {group} |")
     return lines
+
+
+def homogeneity_words(t3: dict) -> str:
+    """The per-group sds of the paired differences and Bartlett's test (experiments.table3.group_noise)."""
+    h = t3.get("homogeneity") or {}
+    groups, test = h.get("groups", {}), h.get("bartlett")
+    if not groups:
+        return ""
+    sds = "; ".join(f"{g}: {v['sd']:.2f} ({v['df']} df)" for g, v in groups.items())
+    cold = next((r for r in t3["rows"] if r["id"] == COLD_ID), None)
+    cold_sd = f"; the no-warm-start row, on its own: {cold['noise']['sd']:.2f} ({cold['noise']['df']} df)" if cold else ""
+    verdict = ("" if test is None else
+               f" Bartlett's test of one variance across them: chi2 {test['statistic']:.2f} on {test['df']} df, p = "
+               f"{test['p']:.2g} (approximate: the groups share the failure-free runs)"
+               + (": no evidence against pooling." if test["p"] >= 0.05 else ": the groups' variances differ; read the "
+                  "last column (each row decided on its own group's noise)."))
+    return ("Is one pooled sd right for every row? Each group's own block fit (its configurations with the failure-free "
+            f"runs), sd per paired difference: {sds}{cold_sd}.{verdict}")
 
 
 def resolution_words(t3: dict) -> str:
@@ -299,10 +322,11 @@ def cold_words(t3: dict) -> str:
         return ""
     nz = cold["noise"]
     return (f"Without the warm start (failures from step 0, {t3['cold_failure_hours']:.1f} h of them per run), MeCeFO − "
-            f"failure-free at high is {cold['mean']:+.2f}% [{cold['ci'][0]:+.2f}, {cold['ci'][1]:+.2f}] *{cold['word']}* "
+            f"failure-free at high is {cold['change_pct']:+.2f}% [{cold['change_ci_pct'][0]:+.2f}, "
+            f"{cold['change_ci_pct'][1]:+.2f}] *{cold['word']}* "
             f"({cold['pairs']} seeds; decided on its own noise, sd {nz['sd']:.2f} with {nz['df']} df, against the pooled "
             f"rows' {t3['noise']['sd']:.2f} with {t3['noise']['df']} df, upper bound {t3['noise']['upper']:.2f}), against "
-            f"{main['mean']:+.2f}% [{main['ci'][0]:+.2f}, {main['ci'][1]:+.2f}] with it.")
+            f"{main['change_pct']:+.2f}% [{main['change_ci_pct'][0]:+.2f}, {main['change_ci_pct'][1]:+.2f}] with it.")
 
 
 def results_section(df: pd.DataFrame, t3: dict) -> str:
@@ -320,18 +344,23 @@ def results_section(df: pd.DataFrame, t3: dict) -> str:
              f"{t3['failure_hours']:.1f} h of failures per run (the paper does not state its runs' hours). Sweep indices "
              f"read ({profiles}); every row uses all the seeds they hold and names the profile they come from. Change of "
              f"the validation perplexity ({evaluation_words(t3)}), paired by seed (same initialisation, data order and "
-             "failure schedule), with its 95% interval from the pooled seed-to-seed noise (one sd for every row: "
-             f"{noise['sd']:.2f} points per paired difference, {noise['df']} df, 95% upper bound {noise['upper']:.2f}; "
+             "failure schedule), decided on the log scale (100 ln of the ratio, the scale the noise is fitted on) and "
+             "printed as percent, with its 95% interval from the pooled seed-to-seed noise (one sd for every row: "
+             f"{noise['sd']:.2f} log points per paired difference, {noise['df']} df, 95% upper bound {noise['upper']:.2f}; "
              "`mecefo.stats.block_noise`). A verdict word is printed only where a rerun on another machine (new rounding, "
-             f"in effect new draws of every seed) would print it too with probability >= {100 * t3['agree']:.0f}% "
-             "(`mecefo.stats.decide`); 'seeds a verdict needs' is where the current mean would decide a word at the "
-             "sd's upper bound:\n",
+             "in effect new draws of every seed) would give it from its own 95% interval with probability >= "
+             f"{100 * t3['agree']:.0f}% (`mecefo.stats.rerun_probability`: our sd's uncertainty, with {noise['df']} df, "
+             "and both runs' noise taken in). P is that probability and the margin how far the mean lies past (+) or "
+             "short of (−) the threshold where P reaches it, in log points. That is not the probability that a rerun "
+             "deciding by this same rule prints the word again: 'repeat' states that one for a direction (about 0.5 at "
+             "the threshold, as for any rule that prints above a threshold). 'Seeds a verdict needs' is where the "
+             "current mean would decide a word at the sd's upper bound:\n",
              *paired_table(t3),
              "\nFigure 3 analog (the neighbour skips attention or the FFN in its backward pass), same pairing:\n",
              *paired_table(t3, True), "",
              f"Multiplicity: {t3['family']} intervals at 95% each; {len(family)} of the {len(decided)} printed words also hold "
              f"at a family-wise 95% (Bonferroni over the {t3['family']} rows; the others say their family-wise word).",
-             "", cold_words(t3), "", against_paper(t3), "", resolution_words(t3), "", trajectory_spread(t3), spread_words(t3)]
+             "", homogeneity_words(t3), "", cold_words(t3), "", against_paper(t3), "", resolution_words(t3), "", trajectory_spread(t3), spread_words(t3)]
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from mecefo.errors import guarded
-from mecefo.stats import seeds_needed
+from mecefo.errors import UsageError, guarded
 from mecefo.results import quick_flag, read_measurement
 
 from .common import write_table
@@ -19,9 +18,9 @@ COMPARISONS = ("mecefo-none", "drop-none", "mecefo-drop")
 
 
 def seeds_for(cell: dict) -> str:
-    k = cell.get("seeds_for_1")  # experiments.variance computes it (results written before it did: recomputed)
-    if k is None and "seeds_for_1" not in cell:
-        k = seeds_needed(cell["sd"])
+    if "seeds_for_1" not in cell:
+        raise UsageError("results/variance was written before experiments.variance computed the seeds; rerun it")
+    k = cell["seeds_for_1"]  # experiments.variance computes it
     return "—" if k is None else str(k)
 
 

@@ -1,5 +1,5 @@
 """experiments.table3 on synthetic sweep indices: rows pair by seed across the profiles' indices, every interval
-comes from the pooled noise (never zero-width), the words follow the replication rule, the paper's range
+comes from the pooled noise (never zero-width), the words follow the rerun rule, the paper's range
 carries its rounding."""
 
 import json
@@ -49,8 +49,16 @@ def test_rows_pair_by_seed_with_pooled_intervals(results):
     assert out["noise"]["df"] > 0 and all(r["ci"][1] - r["ci"][0] > 0 for r in out["rows"])
     assert high["word"].startswith("worse")  # an effect of 3 points against a noise of ~0.4
     low = by["main:low:spread-mecefo:mecefo/main:none:none:mecefo"]
-    # no effect: its ci lies within ±1, its replication interval (which the words are read from) does not
-    assert low["word"] == "not decided with 2 seeds"
+    # no effect, but with 2 seeds a rerun's interval would not lie within ±1 with probability 95%
+    assert low["word"] == "not decided with 2 seeds" and low["probability"] < 0.95
+    assert high["margin"] > 0 and 0.5 < high["repeat"] <= 1 and high["probability"] >= 0.95
+    assert high["change_pct"] == pytest.approx(100 * np.expm1(high["mean"] / 100))
+    # the log scale throughout: the mean is the mean of 100 ln(a / b)
+    assert high["mean"] == pytest.approx(np.mean(high["differences"]))
+    groups = out["homogeneity"]["groups"]
+    assert {"low", "high"} <= set(groups) and out["homogeneity"]["bartlett"]["df"] == len(
+        [g for g in groups.values() if g["df"] >= 1]) - 1
+    assert all(r["word_group_noise"] is None or isinstance(r["word_group_noise"], str) for r in out["rows"])
     assert {"low", "high"} == set(out["paper"])
     rng = out["paper"]["high"]
     assert rng["with_rounding"][0] < rng["printed"][0] <= rng["printed"][1] < rng["with_rounding"][1]
@@ -77,10 +85,17 @@ def test_no_index_is_a_usage_error(tmp_path, monkeypatch):
         table3.load_cells("default")
 
 
-def test_against_the_paper():
-    assert table3.against((2.3, 3.0), [1.5, 2.26]) == "above the paper's range"
-    assert table3.against((2.0, 2.2), [1.5, 2.26]) == "within the paper's range"
-    assert table3.against((1.0, 2.0), [1.5, 2.26]).startswith("overlapping the paper's range")
+def test_where_against_the_paper_is_decided_like_the_words():
+    """'above', 'below', 'within' only where a rerun's interval would say so with probability >= 95%."""
+    from mecefo.stats import Noise, log_points
+
+    tight, wide = Noise(0.1, 40, 0.12, 0.95, 100), Noise(0.83, 17, 1.16, 0.95, 47)
+    rng = [1.5, 2.26]
+    assert table3.where(float(log_points(3.5)), tight, 5, rng)["where"] == "above the paper's range"
+    assert table3.where(float(log_points(0.5)), tight, 5, rng)["where"] == "below the paper's range"
+    assert table3.where(float(log_points(1.9)), Noise(0.05, 40, 0.06, 0.95, 100), 20, rng)["where"] == "within the paper's range"
+    wide_word = table3.where(float(log_points(3.5)), wide, 3, rng)
+    assert wide_word["where"] == "not distinguished from the paper's range" and wide_word["probability"] < 0.95
 
 
 def test_two_configs_for_one_cell_are_refused(results):
@@ -107,7 +122,8 @@ def test_the_cold_start_row_is_decided_on_its_own_noise_and_left_out_of_the_pool
     out = table3.decide_table(*table3.load_cells("default"))
     assert out["noise"] == before  # the pooled noise does not see the cold runs
     row = {r["id"]: r for r in out["rows"]}["cold:high:mecefo:mecefo/main:none:none:mecefo"]
-    assert row["noise"]["df"] == 2 and abs(row["noise"]["sd"] - np.std([1.0, 9.0, 3.0], ddof=1)) < 1e-9
+    logs = [100 * np.log1p(v / 100) for v in (1.0, 9.0, 3.0)]  # its differences on the log scale
+    assert row["noise"]["df"] == 2 and abs(row["noise"]["sd"] - np.std(logs, ddof=1)) < 1e-9
     assert row["ci"][1] - row["ci"][0] > 10  # its own wide interval, not the pooled one
 
 
@@ -118,7 +134,8 @@ def test_the_n_sweep_pairs_every_n_with_failure_free_at_n1_by_seed():
     cells += [cell("high", "drop", 0, ref[0] * 1.05, n=4)]
     rows = {r["n"]: r for r in table3.n_sweep(cells)}
     assert set(rows) == {1, 4} and rows[4]["failure_free_ppl"] == 100.0
-    assert abs(rows[4]["mecefo"] - 3.0) < 1e-9 and rows[4]["mecefo_seeds"] == 3
+    geometric = 100 * np.expm1(np.mean(np.log1p([0.02, 0.03, 0.04])))  # the log scale's mean, read as percent
+    assert abs(rows[4]["mecefo"] - geometric) < 1e-9 and rows[4]["mecefo_seeds"] == 3
     lo, hi = rows[4]["mecefo_ci"]
     assert lo < 3.0 < hi
     assert abs(rows[4]["drop"] - 5.0) < 1e-9 and rows[4]["drop_ci"] is None  # one seed: a point, no interval

@@ -231,6 +231,10 @@ class TokenData:
         rng = np.random.default_rng([seed, epoch])
         return int(rng.integers(0, self.cfg.seq_len + 1)), rng.permutation(self._windows())
 
+    def epoch_order(self, seed: int, epoch: int) -> tuple[int, np.ndarray]:
+        """The epoch's window offset and its permutation of the W windows (read from its head, W per epoch)."""
+        return self._epoch(seed, epoch)
+
     def micro_batch(self, seed: int, step: int, rank: int = 0, micro: int = 0, n_ranks: int = 1) -> tuple[np.ndarray, np.ndarray]:
         """Inputs and next-token targets, int64 arrays (micro_batch_size, seq_len)."""
         b, t, accum = self.cfg.micro_batch_size, self.cfg.seq_len, self.cfg.grad_accum

@@ -15,6 +15,7 @@ suboptimality), with a t-interval; Theorem 1's O(1/sqrt(nT)) is a slope of -1/2.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -113,6 +114,33 @@ def fit_rate(nt: np.ndarray, y: np.ndarray, level: float = 0.95) -> RateFit:
 
 
 @dataclass(frozen=True)
+class RateFitNT:
+    slope_n: float
+    ci_n: tuple[float, float]
+    slope_t: float
+    ci_t: tuple[float, float]
+    level: float
+    points: int
+
+
+def fit_rate_n_t(n: np.ndarray, t: np.ndarray, y: np.ndarray, level: float = 0.95) -> RateFitNT:
+    """OLS of log y = a + b_n log n + b_T log T with Student-t intervals (N - 3 df): the bound's 1/sqrt(nT) is
+    b_n = b_T = -1/2, and the fit against nT alone assumes b_n = b_T (the step, C sqrt(n / T), does not treat them
+    alike)."""
+    x = np.column_stack([np.ones(len(y)), np.log(np.asarray(n, dtype=np.float64)), np.log(np.asarray(t, dtype=np.float64))])
+    z = np.log(np.asarray(y, dtype=np.float64))
+    if len(z) < 4 or np.linalg.matrix_rank(x) < 3:
+        raise ValueError("need at least four points spanning two values of n and of T")
+    coef, *_ = np.linalg.lstsq(x, z, rcond=None)
+    df = len(z) - 3
+    s2 = float(np.sum((z - x @ coef) ** 2) / df)
+    se = np.sqrt(np.diag(s2 * np.linalg.inv(x.T @ x)))
+    q = sps.t.ppf(0.5 + level / 2, df)
+    return RateFitNT(float(coef[1]), (float(coef[1] - q * se[1]), float(coef[1] + q * se[1])),
+                     float(coef[2]), (float(coef[2] - q * se[2]), float(coef[2] + q * se[2])), level, len(z))
+
+
+@dataclass(frozen=True)
 class Paired:
     mean: float
     ci: tuple[float, float]  # (nan, nan) with fewer than two pairs
@@ -188,84 +216,212 @@ def sample_noise(differences, level: float = 0.95) -> Noise:
     return Noise(sd, df, float(sd * np.sqrt(df / sps.chi2.ppf(1 - level, df))), level, len(d))
 
 
+def log_change(a, b) -> np.ndarray:
+    """The paired change on the log scale, in points: 100 ln(a / b). Decisions, intervals and noise all live on this
+    scale (block_noise fits it); printed changes are read back as percent with percent()."""
+    return 100 * np.log(np.asarray(a, dtype=np.float64) / np.asarray(b, dtype=np.float64))
+
+
+def percent(d):
+    """A change on the log scale (points) as a relative change in percent: 100 (exp(d / 100) - 1)."""
+    return 100 * np.expm1(np.asarray(d, dtype=np.float64) / 100)
+
+
+def log_points(pct):
+    """A relative change in percent as a change on the log scale (points): 100 ln(1 + pct / 100)."""
+    return 100 * np.log1p(np.asarray(pct, dtype=np.float64) / 100)
+
+
+def _chi_quantiles(df: int, points: int) -> np.ndarray:
+    """chi2_df / df at the midpoints of `points` equal-probability cells: a quadrature for E f(chi2_df / df)."""
+    return sps.chi2.ppf((np.arange(points) + 0.5) / points, df) / df
+
+
+def rerun_probability(mean: float, sd: float, pairs: int, df: int, lower: float = -np.inf, upper: float = np.inf,
+                      level: float = 0.95, factor: float | None = None, points: int = 256) -> float:
+    """The probability that a rerun elsewhere (new rounding: in effect new draws of every seed) gives an interval
+    m' -+ c s' / sqrt(k) that lies wholly above `lower` and below `upper`, given our mean m and sd s of k pairs:
+        P = E[ Phi((upper - h - m) / se) - Phi((lower + h - m) / se) ],   h = c s' / sqrt(k),  se = sigma sqrt(2 / k),
+    the predictive law of the rerun's mean (m' - m ~ N(0, 2 sigma^2 / k): our mean and the rerun's each carry
+    sigma^2 / k), averaged over the true sd sigma (posterior df s^2 / sigma^2 ~ chi2_df) and over the rerun's own
+    estimate s' (df s'^2 / sigma^2 ~ chi2_df, independent). c = t_{df, (1+level)/2}: the rerun's `level` interval, unless
+    `factor` gives another c. Both averages by quadrature over chi2's quantiles (points x points cells)."""
+    if not sd > 0:
+        inside = lower < mean < upper
+        return float(inside)
+    c = sps.t.ppf(0.5 + level / 2, df) if factor is None else factor
+    q = _chi_quantiles(df, points)
+    sigma = sd / np.sqrt(q)[:, None]  # rows: the true sd
+    half = c * sigma * np.sqrt(q)[None, :] / np.sqrt(pairs)  # columns: the rerun's estimate of it
+    se = sigma * np.sqrt(2 / pairs)
+    with np.errstate(invalid="ignore"):
+        p = sps.norm.cdf((upper - half - mean) / se) - sps.norm.cdf((lower + half - mean) / se)
+    return float(np.clip(np.nan_to_num(p), 0, 1).mean())
+
+
+def _bisect(f, lo: float, hi: float, iters: int = 40) -> float:
+    """The root of a function that changes sign once on [lo, hi], f(lo) < 0 <= f(hi) or the reverse."""
+    flo = f(lo) < 0
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        if (f(mid) < 0) == flo:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def direction_threshold(sd: float, pairs: int, df: int, level: float = 0.95, agree: float = 0.95) -> float:
+    """The smallest |mean| (points, log scale) whose direction a rerun's `level` interval repeats with probability
+    >= agree. rerun_probability depends on m sqrt(k) / s alone, so this is r*(df) s / sqrt(k)."""
+    return sd / np.sqrt(pairs) * _direction_r(df, level, agree)
+
+
+@functools.lru_cache(maxsize=None)
+def _direction_r(df: int, level: float, agree: float) -> float:
+    f = lambda r: rerun_probability(r, 1.0, 1, df, lower=0.0, level=level) - agree  # noqa: E731
+    hi = 1.0
+    while f(hi) < 0:
+        hi *= 2
+    return _bisect(f, 0.0, hi)
+
+
+def within_threshold(sd: float, pairs: int, df: int, bounds: tuple[float, float], level: float = 0.95,
+                     agree: float = 0.95) -> float | None:
+    """The largest |mean| (points, log scale, measured from the bounds' centre) at which a rerun's `level` interval
+    lies within `bounds` with probability >= agree; None if no mean does (the interval is too wide)."""
+    centre = (bounds[0] + bounds[1]) / 2
+    f = lambda x: agree - rerun_probability(centre + x, sd, pairs, df, *bounds, level=level)  # noqa: E731
+    if f(0.0) > 0:
+        return None
+    return _bisect(f, 0.0, (bounds[1] - bounds[0]) / 2)
+
+
+def repeat_probability(mean: float, sd: float, pairs: int, df: int, level: float = 0.95, agree: float = 0.95) -> float:
+    """The probability that a rerun which decides by this same rule (decide) prints this mean's direction again:
+    it does so when its own mean clears its own threshold, m' >= r*(df) s' / sqrt(k); rerun_probability with c = r*.
+    About 0.5 for a mean at the threshold, as for any rule that prints above a threshold."""
+    r = _direction_r(df, level, agree)
+    m = abs(mean)
+    return rerun_probability(m, sd, pairs, df, lower=0.0, factor=r)
+
+
 @dataclass(frozen=True)
 class Verdict:
-    """A paired comparison decided so that a rerun elsewhere (new rounding: in effect new draws of every seed)
-    would say the same. ci: mean -+ t_{df} sd / sqrt(k). A rerun's mean m' is predicted as N(m, 2 sd^2 / k)
-    (ours and the rerun's each carry sd^2 / k), so the word is read from the replication interval
-        mean -+ (t_{df} sd / sqrt(k) + z_{agree} sd sqrt(2 / k)):
-    a word it gives, a rerun's interval gives too with probability >= agree."""
+    """A paired comparison on the log scale (points: 100 ln(a / b)), decided so that a rerun elsewhere would say
+    the same: a word is printed only where a rerun's 95% interval gives it with probability >= agree
+    (rerun_probability). ci: mean -+ t_{df} sd / sqrt(k)."""
 
-    mean: float
+    mean: float  # points, log scale
     pairs: int
-    ci: tuple[float, float]
-    replication: tuple[float, float]
+    ci: tuple[float, float]  # points, log scale
     word: str
+    probability: float  # that a rerun's interval gives the word's claim (the direction; 'within': the size)
+    threshold: float | None  # |mean| at which that probability is `agree` (for 'within': the largest such |mean|)
+    margin: float | None  # how far the mean lies inside (+) or outside (-) that threshold, points
+    repeat: float | None  # that a rerun deciding by this rule prints the direction again (direction words only)
     seeds_needed: int | None  # fewest seeds at which the current mean decides a word, at the sd's upper bound
     needed_for: str  # what those seeds would decide: a direction ('worse', 'better') or a size ('within ±1')
 
 
-def interval_word(lo: float, hi: float, pairs: int, tolerance: float = 1.0) -> str:
-    """The word of an interval of a change in ppl (lower is better): the direction when it excludes 0, and 'by less
-    than' the tolerance when it also lies within it. 'worse by less than 1 point' is a significant
-    degradation smaller than the tolerance, never hidden as 'equal'."""
-    direction = "worse" if lo > 0 else "better" if hi < 0 else ""
-    within = -tolerance <= lo and hi <= tolerance
+def tolerance_bounds(tolerance: float) -> tuple[float, float]:
+    """'Equal within ±T percent' on the log scale: [100 ln(1 - T/100), 100 ln(1 + T/100)]."""
+    return float(log_points(-tolerance)), float(log_points(tolerance))
+
+
+def _claims(mean: float, sd: float, pairs: int, df: int, tolerance: float, level: float) -> dict[str, float]:
+    """The probabilities that a rerun's interval gives the mean's direction, a size within the tolerance, and both."""
+    lo, hi = tolerance_bounds(tolerance)
+    side = {"lower": 0.0} if mean > 0 else {"upper": 0.0}
+    both = {"lower": max(lo, side.get("lower", lo)), "upper": min(hi, side.get("upper", hi))}
+    return {"direction": rerun_probability(mean, sd, pairs, df, level=level, **side),
+            "within": rerun_probability(mean, sd, pairs, df, lo, hi, level),
+            "both": rerun_probability(mean, sd, pairs, df, level=level, **both)}
+
+
+def word_of(mean: float, sd: float, pairs: int, df: int, tolerance: float = 1.0, level: float = 0.95,
+            agree: float = 0.95) -> tuple[str, dict[str, float]]:
+    """The strongest word whose claim a rerun's interval repeats with probability >= agree: 'worse/better by less
+    than T points' (direction and size), 'worse/better', 'equal within ±T', else 'not decided with k seeds'."""
+    p = _claims(mean, sd, pairs, df, tolerance, level)
+    direction = "worse" if mean > 0 else "better"
     unit = f"{tolerance:g} point" + ("" if tolerance == 1 else "s")
-    if direction:  # no "by more than" tier: a rerun flipped it at the tolerance's edge (experiments.float_check)
-        return f"{direction} by less than {unit}" if within else direction
-    return f"equal within ±{tolerance:g}" if within else f"not decided with {pairs} seed{'s' if pairs != 1 else ''}"
+    if p["both"] >= agree:
+        return f"{direction} by less than {unit}", p
+    if p["direction"] >= agree:
+        return direction, p
+    if p["within"] >= agree:
+        return f"equal within ±{tolerance:g}", p
+    return f"not decided with {pairs} seed{'s' if pairs != 1 else ''}", p
 
 
-def replication_factor(df: int, level: float = 0.95, agree: float = 0.95) -> float:
-    """t_{df, (1+level)/2} + z_{agree} sqrt 2: the replication half-width of k pairs is this times sd / sqrt(k)."""
-    return float(sps.t.ppf(0.5 + level / 2, df) + sps.norm.ppf(agree) * np.sqrt(2))
-
-
-def seeds_to_clear(distance: float, sd: float, df: int, level: float = 0.95, agree: float = 0.95) -> int | None:
-    """The fewest seeds whose replication half-width is strictly below `distance` at this sd (None: distance <= 0)."""
-    if distance <= 0:
+def seeds_to_decide(mean: float, sd: float, df: int | None, claim: str, tolerance: float = 1.0, level: float = 0.95,
+                    agree: float = 0.95, max_seeds: int = 10_000) -> int | None:
+    """The fewest seeds k at which a mean that stays where it is decides `claim` ('direction' or 'within') at this sd;
+    df None: the row's own noise, whose df k - 1 grows with its seeds. None: more than max_seeds."""
+    bounds = tolerance_bounds(tolerance)
+    if claim == "within" and not bounds[0] < mean < bounds[1]:
         return None
-    return int(np.floor((replication_factor(df, level, agree) * sd / distance) ** 2)) + 1
 
+    def ok(k: int) -> bool:
+        d = k - 1 if df is None else df
+        if claim == "direction":
+            return mean != 0 and rerun_probability(mean, sd, k, d, **({"lower": 0.0} if mean > 0 else {"upper": 0.0}),
+                                                   level=level) >= agree
+        return rerun_probability(mean, sd, k, d, *bounds, level=level) >= agree
 
-def seeds_to_clear_own(distance: float, sd: float, level: float = 0.95, agree: float = 0.95,
-                       max_seeds: int = 10_000) -> int | None:
-    """For a row decided on its own noise (sample_noise), whose degrees of freedom grow with its seeds: the
-    fewest k whose replication half-width (t_{k-1} + z sqrt 2) sd / sqrt(k) is strictly below `distance`,
-    at the row's sample sd (None: distance <= 0, or more than max_seeds)."""
-    if distance <= 0:
+    if not ok(max_seeds):
         return None
-    for k in range(2, max_seeds + 1):
-        if replication_factor(k - 1, level, agree) * sd / np.sqrt(k) < distance:
-            return k
-    return None
+    lo, hi = 1, max_seeds  # ok(hi), and the probability grows with k
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+    return max(hi, 2 if df is None else 1)
 
 
 def decide(mean: float, pairs: int, noise: Noise, tolerance: float = 1.0, level: float = 0.95,
            agree: float = 0.95, max_seeds: int = 10_000, own: bool = False) -> Verdict:
-    """The verdict of a mean of `pairs` paired changes (points of %) under the pooled noise (see Verdict).
-    Seeds needed: the word is decided once its distance d from the boundary it must clear satisfies
-    d >= (t_{df} + z_{agree} sqrt 2) sd_upper / sqrt(k), i.e. k = floor(((t + z sqrt 2) sd_upper / d)^2) + 1 (seeds_to_clear),
-    with d = |mean| for a direction and tolerance - |mean| for a size within the tolerance ('equal within ±1', or
-    'worse/better by less than 1 point' if the direction is decided too); the smaller of the two. own=True: the
-    noise is the row's own (sample_noise), and the seeds are counted with its df growing (seeds_to_clear_own)."""
-    t, z = sps.t.ppf(0.5 + level / 2, noise.df), sps.norm.ppf(agree)
-    half, margin = t * noise.sd / np.sqrt(pairs), z * noise.sd * np.sqrt(2 / pairs)
-    ci = (mean - half, mean + half)
-    rep = (mean - half - margin, mean + half + margin)
-    options = [(abs(mean), "direction")] + ([(tolerance - abs(mean), f"within ±{tolerance:g}")]
-                                            if abs(mean) < tolerance else [])
+    """The verdict of a mean of `pairs` paired changes (points, log scale) under the pooled noise (see Verdict and
+    word_of), with its margin from the threshold of the claim it makes (or needs) and, for a direction, the
+    probability that a rerun deciding by this rule prints it again. Seeds needed: for each claim not yet decided,
+    the fewest seeds that decide it at the sd's upper bound (seeds_to_decide); the smaller of the two. own=True: the
+    noise is the row's own (sample_noise), whose df grows with its seeds."""
+    half = sps.t.ppf(0.5 + level / 2, noise.df) * noise.sd / np.sqrt(pairs)
+    word, p = word_of(mean, noise.sd, pairs, noise.df, tolerance, level, agree)
     best = None
-    for d, what in options:
-        k = (seeds_to_clear_own(d, noise.sd, level, agree, max_seeds) if own else
-             seeds_to_clear(d, noise.upper, noise.df, level, agree))
-        if k is not None and k <= max_seeds and (best is None or k < best[0]):
-            best = (max(k, 1), ("worse" if mean > 0 else "better") if what == "direction" else what)
-    return Verdict(float(mean), pairs, (float(ci[0]), float(ci[1])), (float(rep[0]), float(rep[1])),
-                   interval_word(*rep, pairs, tolerance), *(best or (None, "")))
+    if word.startswith("not decided"):
+        for claim, what in (("direction", "worse" if mean > 0 else "better"), ("within", f"within ±{tolerance:g}")):
+            k = seeds_to_decide(mean, noise.upper, None if own else noise.df, claim, tolerance, level, agree, max_seeds)
+            if k is not None and (best is None or k < best[0]):
+                best = (k, what)
+    claim = ("within" if word.startswith("equal") or (best and best[1].startswith("within")) else "direction")
+    if claim == "direction":
+        threshold = direction_threshold(noise.sd, pairs, noise.df, level, agree)
+        margin, repeat = abs(mean) - threshold, repeat_probability(mean, noise.sd, pairs, noise.df, level, agree)
+    else:
+        bounds = tolerance_bounds(tolerance)
+        threshold = within_threshold(noise.sd, pairs, noise.df, bounds, level, agree)
+        margin = None if threshold is None else threshold - abs(mean - (bounds[0] + bounds[1]) / 2)
+        repeat = None
+    return Verdict(float(mean), pairs, (float(mean - half), float(mean + half)), word, float(p[claim]),
+                   None if threshold is None else float(threshold), None if margin is None else float(margin),
+                   None if repeat is None else float(repeat), *(best or (None, "")))
 
 
 def bonferroni_level(level: float, family: int) -> float:
     """The per-comparison level that holds the family-wise level over `family` comparisons."""
     return 1 - (1 - level) / max(family, 1)
+
+
+def bartlett(variances, dfs) -> dict:
+    """Bartlett's test that g variance estimates s_i^2 (with nu_i df each) share one variance:
+        T = (N ln s_p^2 - sum nu_i ln s_i^2) / C,   N = sum nu_i,  s_p^2 = sum nu_i s_i^2 / N,
+        C = 1 + (sum 1/nu_i - 1/N) / (3 (g - 1)),   T ~ chi2_{g-1} under equal variances."""
+    v, nu = np.asarray(variances, dtype=np.float64), np.asarray(dfs, dtype=np.float64)
+    if len(v) < 2 or np.any(nu < 1) or np.any(v <= 0):
+        raise ValueError("Bartlett's test needs two or more positive variances with at least one df each")
+    big, g = nu.sum(), len(v)
+    pooled = float((nu * v).sum() / big)
+    c = 1 + ((1 / nu).sum() - 1 / big) / (3 * (g - 1))
+    stat = float((big * np.log(pooled) - (nu * np.log(v)).sum()) / c)
+    return {"statistic": stat, "df": g - 1, "p": float(sps.chi2.sf(stat, g - 1)), "pooled_sd": pooled ** 0.5}
