@@ -240,8 +240,8 @@ def _train_and_n_t_words(fits: dict, sc: dict) -> str:
                    for p, f in fits.items() if f.get("n_and_T"))
     out = ""
     if train:
-        out += (f" On the objective SGD optimises (two random halves of training windows the runs never "
-                f"read; {sc['train_unseen']['unbiased']:.3f} at the start), the slopes against nT are: {train}.")
+        out += (f" On the training distribution SGD samples from (two random halves of training windows the runs "
+                f"themselves never read, which the checkpoint's training did; {sc['train_unseen']['unbiased']:.3f} at the start), the slopes against nT are: {train}.")
     if nt:
         out += (" Fitted in log n and log T separately (the bound: -1/2 each; the step C sqrt(n/T) treats them "
                 f"differently), held-out: {nt}.")

@@ -16,10 +16,11 @@ step is skipped under every policy), so drop and MeCeFO are run, and fitted, fro
 f is the loss over the held-out population; its gradient is estimated at K + 1 evenly spaced iterates
 (t = 0, T/K, ..., T) from HELD_OUT_WINDOWS fixed validation windows, split into two disjoint halves
 (`held_out_gradient_sq`), so that the squared norm is estimated without the upward bias of the plug-in
-estimate's own variance. Beside it, the same estimate of the objective SGD optimises, the loss over training
-windows: HELD_OUT_WINDOWS windows of the training split that the run never reads (the tail of its seed's first
-epoch; the run reads the head), in two halves that are random sets of windows from across the text
-(`training_gradient_sq`), so that neither neighbouring windows nor another text's gradient enter it. At the checkpoint the estimate is also taken with other splits (`split_check`: how
+estimate's own variance. Beside it, the same estimate on the training distribution that SGD samples from:
+HELD_OUT_WINDOWS windows of the training split that the run itself never reads (the tail of its seed's first
+epoch; the run reads the head; the starting checkpoint's training did read them), in two halves that are random
+sets of windows from across the text (`training_gradient_sq`), so that neither neighbouring windows nor another
+text's gradient enter it. It is a sample of that distribution independent of the run's own, not its whole loss. At the checkpoint the estimate is also taken with other splits (`split_check`: how
 much neighbouring windows' correlation and the choice of held-out text move it), and one cell is rerun at
 smaller C (`step_sweep`: how much of the level the step size sets).
 Writes one record per run to results/rate_gpt/rate_gpt-<profile>.json (reused run by run while the grid and
@@ -146,7 +147,7 @@ def unseen_training_windows(data, seed: int, steps: int, n: int) -> np.ndarray:
     """The starts of HELD_OUT_WINDOWS training windows a run of `steps` steps on n ranks never reads: the last ones of
     its seed's first-epoch permutation (the sampler reads that permutation from its head, mecefo.data)."""
     offset, perm = data.epoch_order(seed, 0)
-    read = steps * n * PER_RANK_BATCH
+    read = steps * n * PER_RANK_BATCH * data.cfg.grad_accum
     if read + HELD_OUT_WINDOWS > len(perm):
         raise ValueError(f"a run reading {read} windows leaves fewer than {HELD_OUT_WINDOWS} of {len(perm)} unseen")
     return offset + perm[-HELD_OUT_WINDOWS:].astype(np.int64) * (data.cfg.seq_len + 1)

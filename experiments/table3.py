@@ -33,7 +33,7 @@ from mecefo.stats import (Noise, bartlett, bonferroni_level, block_noise, decide
 from .common import guarded
 
 LEVELS = ("none", "low", "mid", "high")
-TOLERANCE = 1.0  # points of %: "equal within ±1"
+TOLERANCE = 1.0  # percent: "equal within ±1%" (a ratio within [0.99, 1.01])
 AGREE = 0.95  # the probability with which a rerun's interval must give the same word
 PAPER_DIGITS = 2  # the paper prints perplexities to two decimals
 NONE = ("main", "none", "none", "mecefo")  # failure-free runs: (tag, level, policy, techniques)
@@ -172,7 +172,7 @@ def n_alone(cells: list[dict], n: int) -> dict | None:
     ff = {c["n"]: c["val_ppl"] for c in cells if c["tag"] == "main" and c["level"] == "none" and c["seed"] == 0}
     if n == 1 or 1 not in ff or n not in ff:
         return None
-    change = 100 * (ff[n] / ff[1] - 1)
+    change = float(percent(log_change(ff[n], ff[1])))
     return {"n": n, "change_pct": change, "identical": ff[n] == ff[1]}
 
 

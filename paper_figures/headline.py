@@ -32,7 +32,7 @@ def word(r: dict) -> str:
     probability that a rerun deciding by the same rule prints it again."""
     out = r["word"]
     if r["repeat"] is not None and not out.startswith("not decided"):
-        out += f", repeated by a rerun with P {r['repeat']:.2f}"
+        out += f", its direction printed again by a rerun deciding by this rule with P {r['repeat']:.2f}"
     if r["word_family"] != r["word"]:
         out += f"; family-wise: {r['word_family']}"
     return out
@@ -123,8 +123,10 @@ def float_check(result: dict | None, which: dict | None) -> str:
             f"all {s['runs']} runs of the table rerun: every run's perplexity moved by {s['mean_abs_change_of_ppl_pct']:.2f}% "
             f"on average (at most {s['max_abs_change_of_ppl_pct']:.2f}%); the pooled noise re-estimated from the reruns "
             f"is {nz['rerun']['sd']:.2f} ({nz['rerun']['df']} df) against {nz['original']['sd']:.2f}; "
-            f"{s['words_changed']} of {len(s['rows'])} rows' words changed, and {s['printed_lost']} of the {s['printed']} "
-            f"printed words were lost, against {s['printed_lost_expected']:.2f} expected from their stated probabilities"
+            f"{s['words_changed']} of {len(s['rows'])} rows' words changed, and {s['directions_lost']} of the "
+            f"{s['directions_printed']} printed directions were lost (a rerun with new seeds, deciding by the same rule, "
+            f"would be expected to lose {s['directions_lost_new_seeds']:.2f} of them; a float rerun of the same seeds is "
+            "closer to the original than that)"
             + (": " + "; ".join(flips) if flips else "") + f". Commit `{result['git_commit'][:12]}`.")
     return "\n\n".join(lines) + "\n"
 
@@ -139,8 +141,8 @@ def golden(tol: dict) -> str:
             f"machine's own (nothing set, 1 thread){': ' + ', '.join(changed) if changed else ''}. The largest relative "
             f"deviation between any two is {tol['max_pairwise_rel_dev']:.1e}; "
             + (f"an earlier machine's golden file deviated by {earlier}; " if earlier else "")
-            + f"the golden losses are compared within rtol {tol['rtol']:.0e} ({tol['safety_factor']} x the largest, "
-            f"{tol['measured_max_rel_dev']:.1e}). `tests/test_golden.py` shows the check fails when r, tau, the MHA divisor "
+            + f"the golden losses are compared within rtol {tol['rtol']:.1e} ({tol['safety_factor']} x the largest, "
+            f"{tol['measured_max_rel_dev']:.2e}, to two digits). `tests/test_golden.py` shows the check fails when r, tau, the MHA divisor "
             "or the weight of the neighbour's pieces in the aggregate (by 5%) changes, and passes a 1-ulp perturbation of the initial weights.")
 
 

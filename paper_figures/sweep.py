@@ -265,18 +265,18 @@ def evaluation_words(t3: dict) -> str:
 
 
 def paired_table(t3: dict, figure3_rows: bool = False) -> list[str]:
-    lines = ["| row | comparison | change of val ppl (95% interval) | verdict | P (margin) | repeat | seeds (profile) | "
+    lines = ["| row | comparison | change of val ppl (95% interval) | verdict | claim: P (margin) | repeat | seeds (profile) | "
              "seeds a verdict needs | word under its group's noise |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in (r for r in t3["rows"] if r["figure3"] == figure3_rows):
         word = r["word"] + ("" if r["word_family"] == r["word"] else f" (family-wise: {r['word_family']})")
         need = ("— (decided)" if not r["word"].startswith("not decided") else
                 f"{r['seeds_needed']} (for '{r['needed_for']}')" if r["seeds_needed"] else "more than 10,000")
-        margin = "" if r["margin"] is None else f" ({r['margin']:+.2f})"
+        margin = f" ({r['margin']:+.2f})" if r["margin"] is not None else " (—)"
         repeat = "—" if r["repeat"] is None else f"{r['repeat']:.2f}"
         group = "—" if r.get("word_group_noise") is None else r["word_group_noise"]
         lines.append(f"| {r['group']} | {r['comparison']} | {r['change_pct']:+.2f}% [{r['change_ci_pct'][0]:+.2f}, "
-                     f"{r['change_ci_pct'][1]:+.2f}] | {word} | {r['probability']:.3f}{margin} | {repeat} | "
+                     f"{r['change_ci_pct'][1]:+.2f}] | {word} | {r['claim']}: {r['probability']:.3f}{margin} | {repeat} | "
                      f"{r['pairs']} ({r['profile']}) | {need} | {group} |")
     return lines
 
@@ -345,21 +345,27 @@ def results_section(df: pd.DataFrame, t3: dict) -> str:
              f"read ({profiles}); every row uses all the seeds they hold and names the profile they come from. Change of "
              f"the validation perplexity ({evaluation_words(t3)}), paired by seed (same initialisation, data order and "
              "failure schedule), decided on the log scale (100 ln of the ratio, the scale the noise is fitted on) and "
-             "printed as percent, with its 95% interval from the pooled seed-to-seed noise (one sd for every row: "
+             "printed as percent, with its 95% interval from the pooled seed-to-seed noise (one sd for every row but the "
+             "no-warm-start one, which is decided on its own: "
              f"{noise['sd']:.2f} log points per paired difference, {noise['df']} df, 95% upper bound {noise['upper']:.2f}; "
              "`mecefo.stats.block_noise`). A verdict word is printed only where a rerun on another machine (new rounding, "
              "in effect new draws of every seed) would give it from its own 95% interval with probability >= "
-             f"{100 * t3['agree']:.0f}% (`mecefo.stats.rerun_probability`: our sd's uncertainty, with {noise['df']} df, "
-             "and both runs' noise taken in). P is that probability and the margin how far the mean lies past (+) or "
-             "short of (−) the threshold where P reaches it, in log points. That is not the probability that a rerun "
-             "deciding by this same rule prints the word again: 'repeat' states that one for a direction (about 0.5 at "
-             "the threshold, as for any rule that prints above a threshold). 'Seeds a verdict needs' is where the "
-             "current mean would decide a word at the sd's upper bound:\n",
+             f"{100 * t3['agree']:.0f}% (`mecefo.stats.rerun_probability`: our sd's uncertainty, with its df, and both "
+             "runs' noise taken in). A word claims a direction ('worse', 'better'), a size ('equal within ±1%': a ratio "
+             "within [0.99, 1.01]) or both ('worse by less than 1%'); an undecided row names the claim cheapest to "
+             "decide. P is that claim's probability, and the margin how far the mean lies past (+) or short of (−) the "
+             "mean at which P reaches the threshold, in log points (for both: the nearer of the two; —: at these seeds no "
+             "mean decides a size, the interval is too wide for ±1%). P is not the probability that a rerun deciding by "
+             "this same rule prints the word again: 'repeat' states that for a direction (about 0.5 at the threshold, as "
+             "for any rule that prints above a threshold). 'Seeds a verdict needs' is where the current mean would "
+             "decide a word at the sd's upper bound; the last column decides each row on its own group's pooled noise "
+             "instead (see the homogeneity check below):\n",
              *paired_table(t3),
              "\nFigure 3 analog (the neighbour skips attention or the FFN in its backward pass), same pairing:\n",
              *paired_table(t3, True), "",
-             f"Multiplicity: {t3['family']} intervals at 95% each; {len(family)} of the {len(decided)} printed words also hold "
-             f"at a family-wise 95% (Bonferroni over the {t3['family']} rows; the others say their family-wise word).",
+             f"Multiplicity: {t3['family']} intervals at 95% each. Decided again with the rerun's intervals at the Bonferroni "
+             f"level over the {t3['family']} rows (family-wise 95% coverage of the intervals; the rerun probability stays "
+             f"per row), {len(family)} of the {len(decided)} printed words stand; the others say their word at that level.",
              "", homogeneity_words(t3), "", cold_words(t3), "", against_paper(t3), "", resolution_words(t3), "", trajectory_spread(t3), spread_words(t3)]
     return "\n".join(lines).rstrip() + "\n"
 

@@ -37,9 +37,9 @@ def test_the_comparison_counts_changed_words_and_the_printed_words_a_rerun_was_e
     (tmp_path / "sweep" / "index-default.json").write_text(json.dumps(index(cells, "default")))
     original = table3.decide_table(*table3.load_cells("default"))
     same = float_check.compare(original, original)
-    assert same["words_changed"] == 0 and same["printed_lost"] == 0 and same["printed"] >= 1
-    assert same["printed_lost_expected"] == pytest.approx(sum(1 - r["probability"] for r in original["rows"]
-                                                              if not r["word"].startswith("not decided")))
+    assert same["words_changed"] == 0 and same["directions_lost"] == 0 and same["directions_printed"] >= 1
+    assert same["directions_lost_new_seeds"] == pytest.approx(sum(1 - r["repeat"] for r in original["rows"]
+                                                                  if r["word"].startswith(("worse", "better"))))
     moved = [dict(c, val_ppl=c["val_ppl"] * (1.04 if c["policy"] == "drop" else 1.0)) for c in cells]
     (tmp_path / "sweep" / "index-default.json").write_text(json.dumps(index(moved, "default")))
     rerun = table3.decide_table(*table3.load_cells("default"))

@@ -206,19 +206,34 @@ def test_a_printed_direction_is_repeated_by_a_reruns_interval_with_the_stated_pr
     assert far.repeat > 0.95 and far.margin == pytest.approx(thr) and far.probability > 0.999
 
 
+def test_a_size_word_reports_the_nearer_of_its_two_thresholds_and_bad_noise_is_refused():
+    from mecefo.stats import Noise, decide, rerun_probability
+
+    tight = Noise(0.1, 50, 0.12, 0.95, 100)
+    v = decide(0.5, 10, tight)
+    assert v.claim == "both" and v.probability == v.claims["both"] <= min(v.claims["direction"], v.claims["within"])
+    assert v.margin > 0 and v.repeat is not None
+    undecided = decide(0.2, 3, Noise(0.83, 17, 1.16, 0.95, 47))
+    assert undecided.claim == "within" and undecided.margin is None  # no mean decides a size at 3 seeds
+    with pytest.raises(ValueError):
+        decide(1.0, 3, Noise(float("nan"), 17, 1.0, 0.95, 10))
+    with pytest.raises(ValueError):
+        rerun_probability(float("nan"), 1.0, 3, 17)
+
+
 def test_the_words_never_hide_a_significant_difference_and_say_the_strongest_claim_a_rerun_repeats():
     from mecefo.stats import Noise, decide
 
     tight = Noise(0.1, 50, 0.12, 0.95, 100)
-    assert decide(0.5, 10, tight).word == "worse by less than 1 point"  # not "equal"
-    assert decide(-0.5, 10, tight).word == "better by less than 1 point"
-    assert decide(0.01, 10, tight).word == "equal within ±1"
+    assert decide(0.5, 10, tight).word == "worse by less than 1%"  # not "equal"
+    assert decide(-0.5, 10, tight).word == "better by less than 1%"
+    assert decide(0.01, 10, tight).word == "equal within ±1%"
     assert decide(3.0, 10, tight).word == "worse"
     wide = Noise(1.0, 17, 1.3, 0.95, 40)
     assert decide(0.3, 3, wide).word == "not decided with 3 seeds"
     v = decide(0.3, 3, wide)
     assert v.margin is None or v.margin < 0
-    assert decide(0.0, 4, wide).needed_for == "within ±1"
+    assert decide(0.0, 4, wide).needed_for == "within ±1%"
 
 
 @settings(max_examples=15, deadline=None)
@@ -234,14 +249,13 @@ def test_the_seeds_a_verdict_needs_decide_it_at_the_upper_bound(mean, sd, df):
     if v.seeds_needed is None:
         return
 
-    def decided(word: str) -> bool:
-        if v.needed_for.startswith("within"):
-            return word.startswith("equal within") or "by less than" in word
-        return word.startswith(v.needed_for)
+    def decided(k: int) -> bool:  # the claim it names reaches 95% (a direction's word may take precedence over a size)
+        w = decide(mean, k, upper)
+        return w.claims["within" if v.needed_for.startswith("within") else "direction"] >= 0.95
 
-    assert decided(decide(mean, v.seeds_needed, upper).word)
+    assert decided(v.seeds_needed)
     if v.seeds_needed > 1:
-        assert not decided(decide(mean, v.seeds_needed - 1, upper).word)
+        assert not decided(v.seeds_needed - 1)
 
 
 def test_the_reported_perplexity_is_the_mean_loss_of_the_last_evaluations():

@@ -246,9 +246,11 @@ def rerun_probability(mean: float, sd: float, pairs: int, df: int, lower: float 
     sigma^2 / k), averaged over the true sd sigma (posterior df s^2 / sigma^2 ~ chi2_df) and over the rerun's own
     estimate s' (df s'^2 / sigma^2 ~ chi2_df, independent). c = t_{df, (1+level)/2}: the rerun's `level` interval, unless
     `factor` gives another c. Both averages by quadrature over chi2's quantiles (points x points cells)."""
-    if not sd > 0:
-        inside = lower < mean < upper
-        return float(inside)
+    if not (np.isfinite(sd) and np.isfinite(mean) and sd >= 0 and df >= 1 and pairs >= 1):
+        raise ValueError(f"rerun_probability needs a finite mean and sd >= 0, df >= 1 and pairs >= 1 "
+                         f"(got mean {mean}, sd {sd}, df {df}, pairs {pairs})")
+    if sd == 0:
+        return float(lower < mean < upper)
     c = sps.t.ppf(0.5 + level / 2, df) if factor is None else factor
     q = _chi_quantiles(df, points)
     sigma = sd / np.sqrt(q)[:, None]  # rows: the true sd
@@ -316,10 +318,14 @@ class Verdict:
     pairs: int
     ci: tuple[float, float]  # points, log scale
     word: str
-    probability: float  # that a rerun's interval gives the word's claim (the direction; 'within': the size)
-    threshold: float | None  # |mean| at which that probability is `agree` (for 'within': the largest such |mean|)
-    margin: float | None  # how far the mean lies inside (+) or outside (-) that threshold, points
-    repeat: float | None  # that a rerun deciding by this rule prints the direction again (direction words only)
+    claim: str  # what the word (or, undecided, the cheapest word to decide) claims: direction, within or both
+    probability: float  # that a rerun's interval gives that claim
+    claims: dict  # the probability of each claim: direction, within, both
+    threshold: float | None  # |mean| at which the direction's probability is `agree`; for 'within', the largest |mean|
+    #                          (from the bounds' centre) at which it is; for 'both', the nearer of the two
+    margin: float | None  # how far the mean lies inside (+) or outside (-) that threshold, points; None: at these
+    #                       seeds no mean decides a size within the tolerance (the interval is too wide for it)
+    repeat: float | None  # that a rerun deciding by this rule prints the direction again (direction claims only)
     seeds_needed: int | None  # fewest seeds at which the current mean decides a word, at the sd's upper bound
     needed_for: str  # what those seeds would decide: a direction ('worse', 'better') or a size ('within ±1')
 
@@ -341,17 +347,17 @@ def _claims(mean: float, sd: float, pairs: int, df: int, tolerance: float, level
 
 def word_of(mean: float, sd: float, pairs: int, df: int, tolerance: float = 1.0, level: float = 0.95,
             agree: float = 0.95) -> tuple[str, dict[str, float]]:
-    """The strongest word whose claim a rerun's interval repeats with probability >= agree: 'worse/better by less
-    than T points' (direction and size), 'worse/better', 'equal within ±T', else 'not decided with k seeds'."""
+    """The strongest word whose claim a rerun's interval repeats with probability >= agree, in this order: 'worse/better
+    by less than T%' (direction and size together), 'worse/better', 'equal within ±T%', else 'not decided with k
+    seeds'. A direction and a size can each reach agree while both together do not: the direction is then printed."""
     p = _claims(mean, sd, pairs, df, tolerance, level)
     direction = "worse" if mean > 0 else "better"
-    unit = f"{tolerance:g} point" + ("" if tolerance == 1 else "s")
-    if p["both"] >= agree:
-        return f"{direction} by less than {unit}", p
+    if p["both"] >= agree:  # precedence: both, then the direction, then the size alone
+        return f"{direction} by less than {tolerance:g}%", p
     if p["direction"] >= agree:
         return direction, p
     if p["within"] >= agree:
-        return f"equal within ±{tolerance:g}", p
+        return f"equal within ±{tolerance:g}%", p
     return f"not decided with {pairs} seed{'s' if pairs != 1 else ''}", p
 
 
@@ -372,11 +378,11 @@ def seeds_to_decide(mean: float, sd: float, df: int | None, claim: str, toleranc
 
     if not ok(max_seeds):
         return None
-    lo, hi = 1, max_seeds  # ok(hi), and the probability grows with k
+    lo, hi = (1 if df is None else 0), max_seeds  # not ok(lo) (own noise needs 2 seeds), ok(hi); P grows with k
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if ok(mid) else (mid, hi)
-    return max(hi, 2 if df is None else 1)
+    return hi
 
 
 def decide(mean: float, pairs: int, noise: Noise, tolerance: float = 1.0, level: float = 0.95,
@@ -390,22 +396,33 @@ def decide(mean: float, pairs: int, noise: Noise, tolerance: float = 1.0, level:
     word, p = word_of(mean, noise.sd, pairs, noise.df, tolerance, level, agree)
     best = None
     if word.startswith("not decided"):
-        for claim, what in (("direction", "worse" if mean > 0 else "better"), ("within", f"within ±{tolerance:g}")):
+        for claim, what in (("direction", "worse" if mean > 0 else "better"), ("within", f"within ±{tolerance:g}%")):
             k = seeds_to_decide(mean, noise.upper, None if own else noise.df, claim, tolerance, level, agree, max_seeds)
             if k is not None and (best is None or k < best[0]):
                 best = (k, what)
-    claim = ("within" if word.startswith("equal") or (best and best[1].startswith("within")) else "direction")
-    if claim == "direction":
-        threshold = direction_threshold(noise.sd, pairs, noise.df, level, agree)
-        margin, repeat = abs(mean) - threshold, repeat_probability(mean, noise.sd, pairs, noise.df, level, agree)
+    if "by less than" in word:
+        claim = "both"
+    elif word.startswith("equal") or (best and best[1].startswith("within")):
+        claim = "within"
     else:
-        bounds = tolerance_bounds(tolerance)
-        threshold = within_threshold(noise.sd, pairs, noise.df, bounds, level, agree)
-        margin = None if threshold is None else threshold - abs(mean - (bounds[0] + bounds[1]) / 2)
-        repeat = None
-    return Verdict(float(mean), pairs, (float(mean - half), float(mean + half)), word, float(p[claim]),
-                   None if threshold is None else float(threshold), None if margin is None else float(margin),
-                   None if repeat is None else float(repeat), *(best or (None, "")))
+        claim = "direction"
+    bounds = tolerance_bounds(tolerance)
+    margins, thresholds = {}, {}
+    if claim in ("direction", "both"):
+        thresholds["direction"] = direction_threshold(noise.sd, pairs, noise.df, level, agree)
+        margins["direction"] = abs(mean) - thresholds["direction"]
+    if claim in ("within", "both"):
+        thresholds["within"] = within_threshold(noise.sd, pairs, noise.df, bounds, level, agree)
+        if thresholds["within"] is not None:
+            margins["within"] = thresholds["within"] - abs(mean - (bounds[0] + bounds[1]) / 2)
+    nearer = min(margins, key=margins.get) if margins and len(margins) == len(thresholds) else None
+    threshold = thresholds[nearer] if nearer else None
+    margin = margins[nearer] if nearer else None
+    repeat = repeat_probability(mean, noise.sd, pairs, noise.df, level, agree) if claim != "within" else None
+    return Verdict(float(mean), pairs, (float(mean - half), float(mean + half)), word, claim, float(p[claim]),
+                   {k: float(v) for k, v in p.items()}, None if threshold is None else float(threshold),
+                   None if margin is None else float(margin), None if repeat is None else float(repeat),
+                   *(best or (None, "")))
 
 
 def bonferroni_level(level: float, family: int) -> float:
