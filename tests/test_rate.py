@@ -69,3 +69,25 @@ def test_every_split_cuts_the_held_out_windows_into_two_equal_disjoint_halves():
     for name, rule in rate_gpt.SPLITS.items():
         first = rule(idx)
         assert first.sum() == (~first).sum() == len(idx) // 2, name
+
+
+def test_the_training_windows_of_the_rate_estimate_are_ones_the_run_never_reads(nano_cfg):
+    """experiments.rate_gpt.unseen_training_windows against the sampler itself: no window a run of 6 steps on 3 ranks
+    reads (inputs and targets, every rank) is among them, and they are distinct windows."""
+    import numpy as np
+
+    from experiments import rate_gpt
+    from mecefo.data import TokenData
+
+    data = TokenData(nano_cfg.data)
+    b, t = nano_cfg.data.micro_batch_size, nano_cfg.data.seq_len
+    steps, n = 6, 3
+    starts = rate_gpt.unseen_training_windows(data, nano_cfg.train.seed, steps * b // rate_gpt.PER_RANK_BATCH + 1, n)
+    unseen = {data.tokens["train"][s:s + t + 1].tobytes() for s in starts}
+    assert len(unseen) == len(starts) == rate_gpt.HELD_OUT_WINDOWS
+    for step in range(steps):
+        for rank in range(n):
+            for micro in range(nano_cfg.data.grad_accum):
+                x, y = data.micro_batch(nano_cfg.train.seed, step, rank, micro, n)
+                read = {np.concatenate([xi, yi[-1:]]).astype(data.tokens["train"].dtype).tobytes() for xi, yi in zip(x, y)}
+                assert not read & unseen
