@@ -3,13 +3,15 @@ main n) with one float setting changed, as another CPU would round, decide the w
 (the pooled noise re-estimated from them), and compare every row's word with the original's.
 
     python -m experiments.float_check --which [--quick]             # which settings change the bits here
-    python -m experiments.float_check [--setting NAME ...] [--quick]  # rerun the table under them
+    python -m experiments.float_check [--setting NAME ...] [--rows printed] [--quick]  # rerun the table under them
 
 SETTINGS are the float knobs this torch build honours: torch's own vectorised kernels (ATEN_CPU_CAPABILITY),
 oneDNN's and MKL's instruction sets (ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS), MKL's reproducibility mode
 (MKL_CBWR) and the intra-op thread count. `--which` trains a short run of the sweep's base config under each and
 compares the final parameters bit for bit with this machine's own (results/float_check/which-<profile>.json);
-without --setting, the rerun uses every setting that changed the bits. The reruns live in
+without --setting, the rerun uses every setting that changed the bits. --rows printed reruns only the runs
+behind the printed words (the other runs keep their values in the rerun table, and only rows that use a rerun are
+compared). The reruns live in
 results/float_check/<setting>/ (their own results root: same configs, other rounding) and are reused on rerun;
 the comparison goes to results/float_check/float_check-<profile>.json.
 """
@@ -56,7 +58,7 @@ def environment(setting: str | None) -> dict:
     return {**env, **(SETTINGS[setting] if setting else {})}
 
 
-def worker(profile: str, which: bool) -> dict:
+def worker(profile: str, which: bool, only: list[str] | None = None) -> dict:
     """In this process's float environment: the short run's parameter digest (which) or every table cell's ppl."""
     import torch
 
@@ -81,7 +83,7 @@ def worker(profile: str, which: bool) -> dict:
             training.metrics.close()
         return {**info, "digest": digest.hexdigest(), "loss": row["loss"]}
     out = {}
-    cells = table_cells(profile)
+    cells = [c for c in table_cells(profile) if only is None or cell_key(c) in only]
     for i, c in enumerate(cells):
         cfg = sweep.cell_config(base, c)
         folder = RESULTS / "sweep" / f"{cfg.model.preset}-{cfg.hash()}"
@@ -91,11 +93,14 @@ def worker(profile: str, which: bool) -> dict:
     return {**info, "ppl": out}
 
 
-def in_setting(setting: str | None, profile: str, which: bool) -> dict:
-    """Run the worker in a subprocess under a setting (its reruns under results/float_check/<setting>/)."""
+def in_setting(setting: str | None, profile: str, which: bool, only: list[str] | None = None) -> dict:
+    """Run the worker in a subprocess under a setting (its reruns under results/float_check/<setting>/); only: the
+    keys of the cells to rerun (None: every cell of the table)."""
     env = environment(setting)
     if not which:
         env["MECEFO_RESULTS"] = str(RESULTS / "float_check" / setting)
+    if only is not None:
+        env["MECEFO_FLOAT_CHECK_CELLS"] = json.dumps(sorted(only))
     args = [sys.executable, "-m", "experiments.float_check", "--worker"] + (["--which"] if which else []) + \
         (["--quick"] if profile == "quick" else [])
     proc = subprocess.run(args, env=env, stdout=subprocess.PIPE, text=True)
@@ -118,7 +123,7 @@ def which(profile: str) -> dict:
     return out
 
 
-def compare(original: dict, rerun: dict) -> dict:
+def compare(original: dict, rerun: dict, rows_rerun: set[str] | None = None) -> dict:
     """Row by row: the original table's word and the rerun's. Beside the count of changed words: the printed
     directions the rerun lost, against the number a rerun with new seeds deciding by the same rule would be expected
     to lose (the sum of 1 - repeat over them: mecefo.stats.repeat_probability). A float rerun of the same seeds is
@@ -127,7 +132,7 @@ def compare(original: dict, rerun: dict) -> dict:
     rows = {}
     for rid, a in before.items():
         b = after.get(rid)
-        if b is None:
+        if b is None or (rows_rerun is not None and rid not in rows_rerun):
             continue
         rows[rid] = {"group": a["group"], "comparison": a["comparison"],
                      "original": {k: a[k] for k in ("change_pct", "word", "claim", "probability", "margin", "repeat")},
@@ -141,24 +146,44 @@ def compare(original: dict, rerun: dict) -> dict:
             "noise": {"original": original["noise"], "rerun": rerun["noise"]}}
 
 
-def check(profile: str, settings: list[str]) -> dict:
+def printed_cells(table: dict, cells: list[dict]) -> set[str]:
+    """The keys of the runs behind every row whose word is printed (both sides, every seed of the row)."""
+    sides = {}
+    for r in table["rows"]:
+        if not r["word"].startswith("not decided"):
+            a, b = r["id"].split("/")
+            for side in (a, b):
+                sides.setdefault(side, set()).update(r["seeds"])
+    return {cell_key(c) for c in cells if ":".join(table3.key(c)) in sides and c["seed"] in sides[":".join(table3.key(c))]}
+
+
+def touched(table: dict, keys: set[str], cells: list[dict]) -> set[str]:
+    """The ids of the rows that use at least one rerun run."""
+    runs = {(":".join(table3.key(c)), c["seed"]) for c in cells if cell_key(c) in keys}
+    return {r["id"] for r in table["rows"] if any((side, s) in runs for side in r["id"].split("/") for s in r["seeds"])}
+
+
+def check(profile: str, settings: list[str], rows: str = "all") -> dict:
     cells, meta = table3.load_cells(profile)
     n = int(next(iter(meta.values()))["design"]["n"])
-    result = {"profile": profile, "n": n, "settings": {}, "git_commit": git_commit()}
+    at = [c for c in cells if c["n"] == n]
+    original = table3.decide_table(at, meta)
+    keys = ({cell_key(c) for c in table_cells(profile)} if rows == "all" else printed_cells(original, at))
+    result = {"profile": profile, "n": n, "rows_rerun": rows, "settings": {}, "git_commit": git_commit()}
     for name in settings:
-        got = in_setting(name, profile, False)
+        got = in_setting(name, profile, False, None if rows == "all" else sorted(keys))
         rerun_ppl = got["ppl"]
-        at = [c for c in cells if c["n"] == n and cell_key(c) in rerun_ppl]
-        if len(at) < len(rerun_ppl):
-            raise UsageError(f"the sweep index lacks runs the rerun made; run python -m experiments.sweep"
-                             f"{' --quick' if profile == 'quick' else ''} first")
-        rel = [abs(100 * (rerun_ppl[cell_key(c)] / c["val_ppl"] - 1)) for c in at]
-        # both tables from the same runs (a row's seeds from another profile's index are not rerun)
-        original = table3.decide_table(at, meta)
-        rerun_table = table3.decide_table([{**c, "val_ppl": rerun_ppl[cell_key(c)]} for c in at], meta)
+        missing = set(rerun_ppl) - {cell_key(c) for c in at}
+        if missing:
+            raise UsageError(f"the sweep index lacks runs the rerun made ({sorted(missing)[:3]}); run python -m "
+                             f"experiments.sweep{' --quick' if profile == 'quick' else ''} first")
+        rel = [abs(100 * (rerun_ppl[cell_key(c)] / c["val_ppl"] - 1)) for c in at if cell_key(c) in rerun_ppl]
+        # the rerun table: every run at n, the rerun ones in their rerun values; the pooled noise re-estimated from it
+        rerun_table = table3.decide_table([{**c, "val_ppl": rerun_ppl.get(cell_key(c), c["val_ppl"])} for c in at], meta)
         result["settings"][name] = {"env": SETTINGS[name], "capability": got["capability"], "threads": got["threads"],
-                                    "runs": len(at), "mean_abs_change_of_ppl_pct": float(np.mean(rel)),
-                                    "max_abs_change_of_ppl_pct": float(np.max(rel)), **compare(original, rerun_table)}
+                                    "runs": len(rel), "of_runs": len(at), "mean_abs_change_of_ppl_pct": float(np.mean(rel)),
+                                    "max_abs_change_of_ppl_pct": float(np.max(rel)),
+                                    **compare(original, rerun_table, touched(original, set(rerun_ppl), at))}
         s = result["settings"][name]
         print(f"{name}: per-run ppl moved by {s['mean_abs_change_of_ppl_pct']:.2f}% on average (max "
               f"{s['max_abs_change_of_ppl_pct']:.2f}%); {s['words_changed']} of {len(s['rows'])} words changed; "
@@ -172,12 +197,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--which", action="store_true", help="measure which settings change the bits here")
     parser.add_argument("--setting", action="append", choices=sorted(SETTINGS),
                         help="rerun under this setting (repeatable; default: every one --which found to change bits)")
+    parser.add_argument("--rows", choices=("all", "printed"), default="all",
+                        help="rerun every run of the table, or only those behind the printed words (the rest keep "
+                             "their original values in the rerun table)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     profile = "quick" if args.quick else "default"
     if args.worker:
-        print(json.dumps(worker(profile, args.which)))
+        only = os.environ.get("MECEFO_FLOAT_CHECK_CELLS")
+        print(json.dumps(worker(profile, args.which, json.loads(only) if only else None)))
         return 0
     if args.which:
         which(profile)
@@ -191,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = [k for k, v in json.loads(path.read_text())["settings"].items() if v["changes_bits"]]
         if not settings:
             raise UsageError("no setting changed the bits here: the float check would test nothing")
-    result = check(profile, settings)
+    result = check(profile, settings, args.rows)
     path = RESULTS / "float_check" / f"float_check-{profile}.json"
     atomic_write_json(path, result)
     print(f"-> {path}")

@@ -120,10 +120,13 @@ def float_check(result: dict | None, which: dict | None) -> str:
         nz = s["noise"]
         lines.append(
             f"Under `{' '.join(f'{k}={v}' for k, v in s['env'].items())}` ({s['capability']}, {s['threads']} threads), "
-            f"all {s['runs']} runs of the table rerun: every run's perplexity moved by {s['mean_abs_change_of_ppl_pct']:.2f}% "
-            f"on average (at most {s['max_abs_change_of_ppl_pct']:.2f}%); the pooled noise re-estimated from the reruns "
+            + (f"all {s['runs']} runs of the table rerun" if s["runs"] == s.get("of_runs", s["runs"]) else
+               f"the {s['runs']} runs behind the printed words rerun (the table's other {s['of_runs'] - s['runs']} keep "
+               "their values)")
+            + f": every rerun's perplexity moved by {s['mean_abs_change_of_ppl_pct']:.2f}% "
+            f"on average (at most {s['max_abs_change_of_ppl_pct']:.2f}%); the pooled noise re-estimated with the reruns "
             f"is {nz['rerun']['sd']:.2f} ({nz['rerun']['df']} df) against {nz['original']['sd']:.2f}; "
-            f"{s['words_changed']} of {len(s['rows'])} rows' words changed, and {s['directions_lost']} of the "
+            f"{s['words_changed']} of the {len(s['rows'])} rows that use a rerun changed their word, and {s['directions_lost']} of the "
             f"{s['directions_printed']} printed directions were lost (a rerun with new seeds, deciding by the same rule, "
             f"would be expected to lose {s['directions_lost_new_seeds']:.2f} of them; a float rerun of the same seeds is "
             "closer to the original than that)"

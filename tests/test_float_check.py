@@ -46,3 +46,23 @@ def test_the_comparison_counts_changed_words_and_the_printed_words_a_rerun_was_e
     diff = float_check.compare(original, rerun)
     drop = diff["rows"]["main:high:drop:mecefo/main:none:none:mecefo"]
     assert drop["original"]["word"] != drop["rerun"]["word"] and diff["words_changed"] >= 1
+
+
+def test_the_printed_rows_runs_are_the_ones_rerun_and_the_rows_they_touch_are_compared(tmp_path, monkeypatch):
+    monkeypatch.setattr(table3, "RESULTS", tmp_path)
+    (tmp_path / "sweep").mkdir()
+    rng = np.random.default_rng(5)
+    effect = {"none": 0.0, "mecefo": 4.0, "drop": 0.0, "spread-mecefo": 0.0}
+    cells = [cell(lvl, p, s, 100 * np.exp((s + (effect[p] if lvl != "none" else 0) + rng.normal(0, 0.2)) / 100))
+             for lvl, ps in (("none", ("none",)), ("high", ("mecefo", "drop", "spread-mecefo"))) for p in ps for s in range(3)]
+    (tmp_path / "sweep" / "index-default.json").write_text(json.dumps(index(cells, "default")))
+    loaded, meta = table3.load_cells("default")
+    table = table3.decide_table(loaded, meta)
+    printed = [r for r in table["rows"] if not r["word"].startswith("not decided")]
+    keys = float_check.printed_cells(table, loaded)
+    # printed: mecefo − failure-free and mecefo − drop (4 points against noise of ~0.3); spread's runs are not behind them
+    assert {r["comparison"] for r in printed} == {"mecefo − failure-free", "mecefo − drop"}
+    assert keys == {float_check.cell_key(c) for c in loaded
+                    if (c["level"], c["policy"]) in {("none", "none"), ("high", "mecefo"), ("high", "drop")}}
+    rows = float_check.touched(table, keys, loaded)
+    assert {r["id"] for r in printed} <= rows and "main:high:spread-mecefo:mecefo/main:none:none:mecefo" in rows
