@@ -304,8 +304,8 @@ def resolution_words(t3: dict) -> str:
     res = t3.get("resolution", {})
     fmt_h = lambda h: "" if h is None else f" ({h:.1f} h of runs)"  # noqa: E731
     parts = [f"{lvl} (+{r['effect'][0]:.2f} .. +{r['effect'][1]:.2f}%): a size within ±{t3['tolerance']:g}% needs "
-             f"{r['within_seeds'] if r['within_seeds'] else 'no number of'} seeds per row{fmt_h(r['within_hours'])}, a "
-             f"direction at +{r['effect'][0]:.2f}% needs {r['direction_seeds'] if r['direction_seeds'] else 'no number of'}"
+             f"{r['within_seeds'] if r['within_seeds'] else 'more than 10,000'} seeds per row{fmt_h(r['within_hours'])}, a "
+             f"direction at +{r['effect'][0]:.2f}% needs {r['direction_seeds'] if r['direction_seeds'] else 'more than 10,000'}"
              f"{fmt_h(r['direction_hours'])}" for lvl, r in res.items() if lvl in ("low", "mid")]
     if not parts:
         return ""
