@@ -28,7 +28,7 @@ from mecefo.errors import UsageError
 from mecefo.records import atomic_write_json, git_commit
 from mecefo.results import RESULTS, load_config, paper_numbers, quick_flag
 from mecefo.stats import (Noise, bartlett, bonferroni_level, block_noise, decide, direction_threshold, log_change, log_points,
-                          interval_half_width, percent, rerun_probability, sample_noise, seeds_to_decide)
+                          interval_half_width, percent, rerun_probability, sample_noise, seeds_to_decide, word_of)
 
 from .common import guarded
 
@@ -265,10 +265,10 @@ def decide_table(cells: list[dict], meta: dict, level: float = 0.95) -> dict:
     for row in table:
         own = row["noise"] != "pooled"
         row_noise = Noise(**row["noise"]) if own else noise
-        row["word_family"] = decide(row["mean"], row["pairs"], row_noise, TOLERANCE, fam_level, AGREE, own=own).word
+        row["word_family"] = word_of(row["mean"], row_noise.sd, row["pairs"], row_noise.df, TOLERANCE, fam_level, AGREE)[0]
         grp = homogeneity["groups"].get(row["group"])
         row["word_group_noise"] = (row["word"] if own else None if grp is None or grp["df"] < 1 else
-                                   decide(row["mean"], row["pairs"], Noise(**grp), TOLERANCE, level, AGREE).word)
+                                   word_of(row["mean"], grp["sd"], row["pairs"], grp["df"], TOLERANCE, level, AGREE)[0])
     paper = {}
     for lvl in LEVELS[1:]:
         main = next((row for row in table if row["id"] == f"main:{lvl}:mecefo:mecefo/{':'.join(NONE)}"), None)
