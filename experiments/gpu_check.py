@@ -97,6 +97,15 @@ def check_low_rank(device: torch.device, quick: bool) -> dict:
     return {"shape": [m, n], "r": r, "energy_gap": float(gap), "exact_seconds": t_exact, "randomized_seconds": t_rand}
 
 
+def worker_error(stderr: str) -> str:
+    """What a failed torchrun worker said: its traceback (or its one-line error), not torchrun's summary."""
+    lines = stderr.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback") or line.startswith(("error:", "stopped:"))]
+    shown = lines[starts[0]:] if starts else lines  # (the worker's comes first, torchrun's own last)
+    shown = [line for line in shown if not line.startswith(("[rank", "W1", "E1"))][:60]
+    return "\n".join(shown)[-4000:]
+
+
 def check_torchrun(device: torch.device, tmp: Path, steps: int) -> dict:
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"}
     out = {}
@@ -114,7 +123,7 @@ def check_torchrun(device: torch.device, tmp: Path, steps: int) -> dict:
         out[shard] = {"exit": proc.returncode, "seconds": time.perf_counter() - t,
                       "backend": "nccl" if device.type == "cuda" else "gloo",
                       "final_val_loss": json.loads((run / "summary.json").read_text())["final_val_loss"]
-                      if proc.returncode == 0 else None, "stderr_tail": proc.stderr[-500:] if proc.returncode else ""}
+                      if proc.returncode == 0 else None, "error": worker_error(proc.stderr) if proc.returncode else ""}
     return out
 
 

@@ -300,3 +300,16 @@ def test_two_replicas_healed_in_one_quorum_and_two_lone_commits_of_one_process_f
              life(_row(4, 0, 0, loss=9.0), 4.1, "a"), life(_row(5, 0, 0), 5.0, "a")]
     heals = [{"rank": 0, "healed_at_step": 2, "time": 2.5, "life": "a"}, {"rank": 0, "healed_at_step": 4, "time": 4.5, "life": "a"}]
     assert lineage({0: twice, 1: ones}, heals, {0, 1})[1] == [{"rank": 0, "step": 2}, {"rank": 0, "step": 4}]
+
+
+def test_the_fork_server_is_the_devices_choice_unless_a_flag_says_otherwise():
+    """No flag leaves the choice to the device (on on the CPU, off on CUDA). The GPU check found --no-fork-server's
+    store_false defaulting to True: every CUDA launch was refused as if --fork_server had been given."""
+    from mecefo.launch import build_parser
+
+    def parsed(*flags):
+        return build_parser().parse_known_args(["--out", "x", *flags])[0].fork_server
+
+    assert parsed() is None
+    assert parsed("--no-fork-server") is False and parsed("--no_fork_server") is False
+    assert parsed("--fork_server") is True

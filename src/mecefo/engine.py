@@ -42,6 +42,7 @@ from .checkpoint import Component
 from .model import group_of
 from .neighbour import LowRankWgrad, Neighbour, Techniques
 from .plan import NORMAL, Piece, StepPlan
+from .timing import Clock
 
 
 @dataclass
@@ -67,6 +68,7 @@ class StepEngine:
     shard_group: tuple[int, int] = (0, 1)  # (this process, processes) sharing the model's shards (Sharded)
     _neighbours: dict = field(default_factory=dict)
     current_step: int = 0
+    clock: Clock = None  # where the step's time goes (mecefo.timing; the Run's)
 
     evaluates_with_writer = False  # an evaluation is a collective of the processes sharing the shards
     heal_skips = ()  # checkpoint components a torchft heal does not send (heal_state sends them instead)
@@ -75,6 +77,7 @@ class StepEngine:
         import contextlib
 
         self.autocast = self.autocast or contextlib.nullcontext
+        self.clock = self.clock or Clock()
 
     # ------------------------------------------------------------------ the model
     @classmethod
@@ -179,7 +182,8 @@ class StepEngine:
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
                          + [torch.tensor([loss_sum, weight_sum], device=self.device, dtype=params[0].dtype)])
         if self.all_reduce is not None:
-            self.all_reduce(flat)
+            with self.clock("exchange"):
+                self.all_reduce(flat)
         offset = 0
         for p in params:
             p.grad = flat[offset: offset + p.numel()].view_as(p).clone()
@@ -422,11 +426,12 @@ class Sharded(StepEngine):
             loss = self.run_piece(piece, weight)
             loss_sum, weight_sum = loss_sum + loss * weight, weight_sum + weight
         j, k = self.shard_group
-        add_low_rank_rows(self.model, self.lowrank, plan, j, k, dist.all_reduce)
-        totals = torch.tensor([loss_sum, weight_sum], device=self.device, dtype=torch.float64)
-        dist.all_reduce(totals)  # the group's sums (its gradient shards are summed by FSDP's reduce-scatter)
-        if self.all_reduce is not None:
-            totals = self._cross_groups(totals)
+        with self.clock("exchange"):
+            add_low_rank_rows(self.model, self.lowrank, plan, j, k, dist.all_reduce)
+            totals = torch.tensor([loss_sum, weight_sum], device=self.device, dtype=torch.float64)
+            dist.all_reduce(totals)  # the group's sums (its gradient shards are summed by FSDP's reduce-scatter)
+            if self.all_reduce is not None:
+                totals = self._cross_groups(totals)
         self.normalise(plan.counts(len(self.model.layers)))
         return StepResult(totals[0].item() / max(totals[1].item(), 1e-12), plan.samples())
 

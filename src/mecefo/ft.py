@@ -48,6 +48,7 @@ from . import liveness
 from .errors import TrainingStopped, UsageError, guarded
 from .membership import COMMIT, REDO, STOP, Membership, Quorum, token_data
 from .plan import StepPlan
+from .placement import local_device
 from .processes import die_with_parent, group_store, serve
 from .records import repair_tail
 from .runfiles import RunFiles, read_config, read_replica_status, write_replica_status
@@ -246,13 +247,14 @@ class FtMembership(Membership):
     def _quorum(self) -> None:
         """torchft's quorum (a replica behind its peers heals in it), waited for as long as the cluster makes
         progress (mecefo.liveness.wait_for_quorum); then after_quorum on what happened in it."""
-        heals = self.heals
+        heals, t0 = self.heals, time.perf_counter()
         try:
             liveness.wait_for_quorum(self.manager, self.lighthouse, STALL_S, TIMEOUT_S, self.manager._client,
                                      agree=self._all if self.sharded else None, known_gone=self.members_gone)
         except TimeoutError as e:
             raise TrainingStopped(f"rank {self.rank}: waited for a quorum at the lighthouse {self.lighthouse} in vain: "
                                   f"{e}") from None
+        self.clock.add("heal" if self.heals > heals else "quorum", time.perf_counter() - t0)  # (a heal: the transfer too)
         self.after_quorum(self.heals > heals)
 
     GONE = ("down", "starting", "waiting")  # the status words of a rank whose process holds none of the run's state
@@ -385,7 +387,8 @@ class FtMembership(Membership):
         if self.last_begin is not None:
             spare = self.min_step_s - (time.perf_counter() - self.last_begin)
             if spare > 0:
-                time.sleep(spare)
+                with self.clock("pace"):
+                    time.sleep(spare)
         self.last_begin = time.perf_counter()
         if not self.first:  # the waiting loop's last quorum is the first step's
             self._quorum()
@@ -400,7 +403,8 @@ class FtMembership(Membership):
             self.healed_at = None
         if step >= end:
             return Quorum(step, frozenset())
-        down = self._failed()
+        with self.clock("quorum"):
+            down = self._failed()
         if down is None:
             self._commits(None)
         return Quorum(step, down)
@@ -628,17 +632,18 @@ class _manager_server_bound_to:
         self.module.ManagerServer = self.original
 
 
-def replica(cfg, out: Path, rank: int, lighthouse: str, min_step_s: float, wait_for: int, rejoin: bool) -> None:
+def replica(cfg, out: Path, rank: int, lighthouse: str, min_step_s: float, wait_for: int, rejoin: bool,
+            tensorboard: Path | None = None) -> None:
     """One replica process: mecefo.train's Run on this backend, from OUT/checkpoint if there is one (the
     replicas behind then heal from a live peer)."""
     from .train import Run, resolve_device
 
     device = resolve_device(cfg.train.device)
-    if device.type == "cuda" and torch.cuda.device_count() > 1:  # torchrun's processes of a group on one node
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if device.type == "cuda":  # torchrun's processes of a group on one node: one GPU each (mecefo.placement)
+        device = torch.device("cuda", local_device(torch.cuda.device_count()))
         torch.cuda.set_device(device)
     group = join_group(cfg.cluster.shard, device)
-    training = Run(cfg, out, device, rank, quiet=group.rank != 0, run_dir=out, lighthouse=lighthouse,
+    training = Run(cfg, out, device, rank, quiet=group.rank != 0, tensorboard=tensorboard, run_dir=out, lighthouse=lighthouse,
                    min_step_s=min_step_s, wait_for=wait_for, rejoin=rejoin, group=group)
     resume = (out / "checkpoint").exists() and not rejoin  # a restarted replica heals from a live peer instead
     if cfg.cluster.shard == "fsdp":  # one answer for the group (another group may be writing the first checkpoint)
@@ -672,6 +677,7 @@ def main(argv: list[str] | None = None) -> int:
     config_mod.add_flag(parser, "min-step-s", type=float, default=0.0)
     config_mod.add_flag(parser, "wait-for", type=int, default=1, help="replicas to wait for before the first step")
     parser.add_argument("--rejoin", action="store_true", help="a restarted replica: heal from a live peer first")
+    parser.add_argument("--tensorboard", metavar="DIR", help="TensorBoard scalars of this replica's rows (mecefo.board)")
     args = parser.parse_args(argv)
     out = Path(args.out)
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a group's process under torchrun: it dies with its torchrun
@@ -681,7 +687,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_mod.build(read_config(out, "mecefo.launch"))
         if not 0 <= args.replica < cfg.cluster.ranks:
             raise UsageError(f"--replica {args.replica} must be in 0..{cfg.cluster.ranks - 1}")
-        replica(cfg, out, args.replica, args.lighthouse, args.min_step_s, args.wait_for, args.rejoin)
+        replica(cfg, out, args.replica, args.lighthouse, args.min_step_s, args.wait_for, args.rejoin,
+                Path(args.tensorboard) if args.tensorboard else None)
         return 0
 
     return guarded(start, f"rank {args.replica}: interrupted")

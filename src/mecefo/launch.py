@@ -47,6 +47,8 @@ from . import chaos, failures
 from . import config as config_mod
 from .errors import BAD_INPUT, CANNOT_GO_ON, TrainingStopped, UsageError, guarded
 from .liveness import read_status
+from .placement import launcher_gpus, visible_gpus
+from .progress import ProgressLine
 from .processes import ForkServer, become_subreaper, die_with_parent, group_store
 from .records import atomic_write_json
 from .replica_records import merge, resume_point
@@ -161,7 +163,7 @@ class Supervisor:
     t0: float = field(default_factory=time.time)
     furthest: int = 0
     rejoining: set = field(default_factory=set)  # restarted ranks that have not trained yet
-    gpus: int = 0  # CUDA devices on this node (processes are placed round-robin)
+    gpus: list = field(default_factory=list)  # process j of rank r: gpus[r][j] (mecefo.placement; [] on the CPU)
     stores: dict = field(default_factory=dict)  # rank -> its group's store (hosted here, on loopback)
     stalled: dict = field(default_factory=dict)  # rank -> when to SIGCONT it (time.monotonic())
     crashes: dict = field(default_factory=dict)  # rank -> crashes so far
@@ -176,6 +178,10 @@ class Supervisor:
     wait_for: int = 1  # the replicas the run's first step waits for
     polling: bool = False  # in run()'s loop: a signal is only recorded, and the loop raises it (see interrupt)
     interrupted: bool = False
+    progress: ProgressLine | None = None  # the progress line (mecefo.progress), every MECEFO_PROGRESS_S seconds
+    tensorboard: Path | None = None  # --tensorboard DIR: the launcher's scalars in DIR/launcher, replica r's in DIR/rank<r>
+    board: object = None
+    board_at: float = 0.0
 
     def interrupt(self) -> None:
         """Ctrl-C, SIGTERM or SIGHUP while the loop runs: recorded here, raised by the loop at its next poll. Raised
@@ -239,11 +245,12 @@ class Supervisor:
             self.stores[rank] = group_store("127.0.0.1", "127.0.0.1")  # a fresh one per start: no key of a dead group
             env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.stores[rank].port), "WORLD_SIZE": str(self.group_size)}
         argv = ["--out", str(self.out), "--replica", str(rank), "--lighthouse", self.lighthouse.address,
-                "--min-step-s", str(self.min_step_s)] + (["--rejoin"] if why != "initial" else ["--wait-for", str(wait_for)])
+                "--min-step-s", str(self.min_step_s)] + (["--rejoin"] if why != "initial" else ["--wait-for", str(wait_for)]) \
+            + (["--tensorboard", str(self.tensorboard / f"rank{rank}")] if self.tensorboard is not None else [])
         group, forked = [], 0
         for j in range(self.group_size):
-            if self.gpus and "CUDA_VISIBLE_DEVICES" not in os.environ:  # one GPU per process on this node
-                env["CUDA_VISIBLE_DEVICES"] = str((rank * self.group_size + j) % self.gpus)
+            if self.gpus:  # a GPU of its own (mecefo.placement)
+                env["CUDA_VISIBLE_DEVICES"] = self.gpus[rank][j]
             mine, path = env | {"RANK": str(j), "LOCAL_RANK": str(j)}, self.out / "replicas" / _log_name(rank, j)
             proc = self.forks.spawn(argv, mine, str(path)) if self.forks is not None else None
             if proc is not None:  # its imports done
@@ -352,6 +359,11 @@ class Supervisor:
     def run(self, initially_down: frozenset[int]) -> None:
         n, steps = self.cfg.cluster.ranks, self.cfg.train.steps
         self.first_step, self.wait_for = self.furthest, n - len(initially_down)
+        self.progress = ProgressLine(steps)
+        if self.tensorboard is not None:
+            from .board import Board
+
+            self.board = Board(self.tensorboard / "launcher")
         self.polling = True  # stays True if the loop raises: a second signal during the clean-up is only recorded
         self.keep_fork_server()
         ready_by = time.monotonic() + FORK_SERVER_READY_S  # (its one import is quicker than every replica's at once)
@@ -366,7 +378,18 @@ class Supervisor:
                 raise KeyboardInterrupt
             self.tick()
             statuses = self.statuses()
+            back = {r for r in self.rejoining if statuses.get(r) in TRAINING}
+            for r in back:
+                self.progress.healed(r, self.committed())
             self.rejoining = {r for r in self.rejoining if r in self.procs and statuses.get(r) not in (*TRAINING, "finished")}
+            line = self.progress.line(self.committed(), len(self.training()), n)
+            if line:
+                self.log(line)
+            if self.board is not None and time.monotonic() - self.board_at >= 1.0:
+                self.board_at = time.monotonic()
+                self.board.scalars({"launch/committed_step": self.committed(), "launch/ranks_training": len(self.training()),
+                                    "launch/steps_per_min": self.progress.rate_per_min(),
+                                    "launch/kills": sum(e["kind"] == "kill" for e in self.events)}, time.time() - self.t0)
             if not set(self.procs) - self.rejoining:  # nobody left who trains (a restarted one cannot heal)
                 if self.committed() >= steps:
                     self.stop()  # a replica still waiting to rejoin a finished run
@@ -560,8 +583,8 @@ def stall_plan(specs: list[str], n: int) -> list[Kill]:
     return stalls
 
 
-def main(argv: list[str] | None = None, restore_signals: bool = True) -> int:
-    """The launcher (restore_signals=False: as a process, Ctrl-C stays ignored after the clean-up, until exit)."""
+def build_parser() -> argparse.ArgumentParser:
+    """The launcher's flags (the trainer's are parsed by mecefo.train's parser from what is left)."""
     parser = argparse.ArgumentParser(prog="python -m mecefo.launch", description=__doc__.splitlines()[0], allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="--chaos events (mecefo.chaos):\n" + chaos.describe() + "\n\n" + config_mod.fields_help())
@@ -580,7 +603,7 @@ def main(argv: list[str] | None = None, restore_signals: bool = True) -> int:
     parser.add_argument("--chaos", metavar="SEED[:RATE]",
                         help=f"random failure events, RATE per minute (default {chaos.DEFAULT_RATE:g}), drawn from SEED "
                              "(the kinds and their weights: below)")
-    parser.add_argument("--no-fork-server", "--no_fork_server", dest="fork_server", action="store_false",
+    parser.add_argument("--no-fork-server", "--no_fork_server", dest="fork_server", action="store_false", default=None,
                         help="every replica process a fresh interpreter (see --fork_server)")
     config_mod.add_flag(parser, "fork_server", action="store_true", default=None,
                         help="start every replica process as a fork of one that has done the imports (a restart then "
@@ -596,6 +619,12 @@ def main(argv: list[str] | None = None, restore_signals: bool = True) -> int:
     parser.add_argument("--merge", action="store_true",
                         help="after replicas started by hand: merge their files into DIR's metrics and summary")
     parser.add_argument("--quiet", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None, restore_signals: bool = True) -> int:
+    """The launcher (restore_signals=False: as a process, Ctrl-C stays ignored after the clean-up, until exit)."""
+    parser = build_parser()
 
     def launch() -> int:
         supervisor = lighthouse = locked = None
@@ -637,18 +666,16 @@ def main(argv: list[str] | None = None, restore_signals: bool = True) -> int:
             import torch
 
             if args.prepare:  # the replicas run on other nodes: this one's memory and GPUs say nothing of theirs
-                device, gpus = torch.device("cpu"), 0
+                device, gpus = torch.device("cpu"), []
             else:
                 device = resolve_device(cfg.train.device)
                 check_memory(cfg, model_config(cfg, vocab_size)[0], device, cfg.data.micro_batch_size,
                              processes=cc.ranks * args.group_size if device.type == "cpu" else 1, shards=args.group_size)
-                gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+                gpus = (launcher_gpus(cc.ranks, args.group_size, visible_gpus(torch.cuda.device_count()))
+                        if device.type == "cuda" else [])
             if gpus and args.fork_server:
                 raise UsageError("--fork_server: not on CUDA (the server imports torch before a replica knows its GPU, "
                                  "and CUDA does not survive a fork); drop it")
-            if gpus and args.group_size > 1 and cc.ranks * args.group_size > gpus:
-                raise UsageError(f"{cc.ranks} ranks x --group_size {args.group_size} processes need as many GPUs on this "
-                                 f"node (NCCL cannot share one between processes of a group); it has {gpus}")
             schedule = failures.for_run(cfg)
             kills, down0 = kill_plan(schedule, args.kill, cc.ranks, args.group_size)
             kills += stall_plan(args.stall, cc.ranks)
@@ -692,6 +719,7 @@ def main(argv: list[str] | None = None, restore_signals: bool = True) -> int:
                                     fork_server=(device.type == "cpu" if args.fork_server is None else args.fork_server)
                                     and become_subreaper())
             supervisor.gpus = gpus
+            supervisor.tensorboard = Path(trainer_flags.tensorboard) if trainer_flags.tensorboard else None
             if decision["started"]:  # the run's events so far (a launch that stopped wrote them), then this launch's
                 earlier = out / "events.json"
                 supervisor.events = json.loads(earlier.read_text())["events"] if earlier.exists() else []
@@ -717,6 +745,8 @@ def main(argv: list[str] | None = None, restore_signals: bool = True) -> int:
             try:
                 if supervisor is not None:
                     supervisor.stop()
+                    if supervisor.board is not None:
+                        supervisor.board.close()
                     if not merged:  # a launch that stops keeps its events for the records of a --resume
                         atomic_write_json(out / "events.json", {"events": supervisor.events, "complete": False})
                 if lighthouse is not None:

@@ -52,6 +52,8 @@ class Membership(abc.ABC):
     """The contract (the module's docstring says who calls what, and when): every membership answers all of it,
     none inherits another's answers by accident."""
 
+    clock = None  # the Run's mecefo.timing.Clock, shared with the step engine (set by mecefo.train.Run)
+
     @classmethod
     @abc.abstractmethod
     def setup(cls, cfg, device: torch.device) -> tuple[int, torch.device]: ...
@@ -188,7 +190,9 @@ class TorchStatic(Static):
             raise UsageError(f"cluster.backend='torch' needs torchrun with --nproc_per_node {cfg.cluster.ranks} "
                              f"(WORLD_SIZE={world or 'unset'})")
         if device.type == "cuda":
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            from .placement import local_device
+
+            device = torch.device("cuda", local_device(torch.cuda.device_count()))
             torch.cuda.set_device(device)
         if not dist.is_initialized():
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo")

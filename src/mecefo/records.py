@@ -29,7 +29,9 @@ STEP_ROW = {
     "skipped": "every rank was down", "busiest_rank_flops": "the busiest rank's FLOPs / a normal rank's",
     "replayed_steps": "steps replayed so far (checkpoint-restart)", "replay": "this step is a replay",
     "grad_rel_error": "||g - g_exact|| / ||g_exact|| with --track_grad_error, else null",
-    "wall_time_s": "seconds trained so far", "backend": "backend-specific entries (torchft: rank, time)"}
+    "wall_time_s": "seconds trained so far", "timing": "seconds since the previous row by phase (mecefo.timing: quorum, "
+    "heal, compute, exchange, commit, update, evaluate, checkpoint, pace, other; total)",
+    "backend": "backend-specific entries (torchft: rank, time)"}
 SUMMARY = {
     "config": "the resolved config", "config_hash": "its hash", "seed": "train.seed", "steps": "train.steps",
     "final_train_loss": "the last step's training loss", "final_val_loss": "validation loss at the end",
@@ -41,7 +43,9 @@ SUMMARY = {
     "skipped_steps": "steps with every rank down", "skipped_fraction": "skipped_steps / steps",
     "rank_agreement": "ranks compared at the end and whether they hold the same state",
     "failure_schedule": "fraction of rank-steps failed and failure events (torchft: as they happened)",
-    "wall_time_s": "seconds of training (torchft: of the launch, the replicas' start-up included)", "device": "torch device", "git_commit": "the code's commit",
+    "wall_time_s": "seconds of training (torchft: of the launch, the replicas' start-up included)",
+    "timing": "seconds by phase over the run and each phase's share (torchft: over the committed rows; each replica "
+    "process's own under backend.replica_timing)", "device": "torch device", "git_commit": "the code's commit",
     "packages": "package versions", "backend": "name, and backend-specific entries (torchft: kills, timings)"}
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from . import failures
 from .errors import TrainingStopped
 from .records import atomic_write_json, atomic_write_text, git_commit, read_rows
+from .timing import rows_total
 
 
 def resume_point(out: Path, cfg) -> int:
@@ -61,7 +62,9 @@ def merge(out: Path, cfg, events: list, t0: float | None = None) -> dict:
         "wall_time_s": time.time() - t0 if t0 is not None else max(times) - min(times), "git_commit": git_commit(),
         "backend": {"name": "torchft", "kills": sum(e["kind"] == "kill" for e in events), "timings": timings,
                     "not_rejoined": missing, "torn_lines_dropped": torn, "superseded_rows": superseded,
-                    "chaos": [e for e in events if e["kind"] == "chaos"]}}
+                    "chaos": [e for e in events if e["kind"] == "chaos"],
+                    "replica_timing": {str(f["backend"]["rank"]): f.get("timing") for f in finals}},
+        "timing": rows_total([rows[s]["timing"] for s in range(1, steps + 1) if "timing" in rows[s]])}
     atomic_write_json(out / "summary.json", summary)
     if not identical:
         raise TrainingStopped(f"the live replicas ended with different parameters (ranks {summary['rank_agreement']})")

@@ -162,7 +162,7 @@ class Run:
     the membership whether it commits, the engine for the update, and tells the membership the step's row."""
 
     def __init__(self, cfg: Config, out: Path, device: torch.device, rank: int = 0, quiet: bool = False, data=None,
-                 **options):
+                 tensorboard: Path | None = None, **options):
         """data: the token data (default: the config's, mecefo.data.TokenData; the benches inject a fixed batch: any
         object with vocab_size, splits and micro_batch(seed, step, rank, micro, n_ranks)); options: the
         membership's own (mecefo.ft: the replica's lighthouse, pacing, rejoining, group)."""
@@ -171,6 +171,11 @@ class Run:
         membership, engine = backend_parts(cc)
         self.membership = membership(cfg, rank, device, **options)
         self.files = self.membership.files(self.out)
+        self.board = None
+        if tensorboard is not None and self.files.metrics_path() is not None:  # (the process that writes the rows)
+            from .board import Board
+
+            self.board = Board(tensorboard)
         self.data = data if data is not None else membership.open_data(cfg, rank == 0)
         self.model_cfg, self.cost_accounting = model_config(cfg, self.data.vocab_size)
         check_memory(cfg, self.model_cfg, device, engine.rows_per_pass(cfg), shards=membership.shards(cfg))
@@ -187,6 +192,7 @@ class Run:
         self.lowrank = LowRankWgrad(r=cc.r, tau=cc.low_rank_tau, svd=cc.low_rank_svd, seed=tc.seed).bind(self.model)
         self.engine = engine(self.model, self.data, tc.seed, device, self.lowrank, lambda: autocast(device, tc.precision),
                              n_ranks=cc.ranks, rank=rank, **self.membership.engine_options(cc.shard))
+        self.clock = self.membership.clock = self.engine.clock  # where each step's time goes (mecefo.timing)
         self.flops = _FlopModel(self.model_cfg, cfg.data, cc.r)
         self.progress = Progress()
         self.components = self.engine.components(self.optimizer) | {
@@ -221,6 +227,8 @@ class Run:
         if self.metrics:
             self.metrics.write(json.dumps(row) + "\n")
             self.metrics.flush()
+            if self.board is not None:
+                self.board.row(row)
 
     def evaluate(self, split: str, plan=None) -> float | None:
         """The split's loss (None in processes that do not evaluate at this step, and for a split the data has
@@ -230,7 +238,8 @@ class Run:
         self.engine.sync_for_io(self.optimizer)
         if self.membership.writes(plan) or self.engine.evaluates_with_writer:
             self.files.status(f"evaluating {self.progress.furthest}")
-            return evaluate(self.model, self.data, split, self.device, self.cfg.train.precision)
+            with self.clock("evaluate"):
+                return evaluate(self.model, self.data, split, self.device, self.cfg.train.precision)
         return None
 
     def save(self, step: int, plan=None) -> None:
@@ -242,9 +251,10 @@ class Run:
                                   f"in {self.out} is kept")
         self.files.status(f"checkpointing {step}")
         writer, collective = self.membership.writes(plan), self.engine.collective_checkpoint
-        tensors = self.engine.checkpoint_tensors(self.optimizer) if writer or collective else None
-        self.files.write_checkpoint(step, self.cfg.hash(), checkpoint.gather(self.components), tensors, writer=writer,
-                                    collective=collective, keep=self.cfg.train.keep_checkpoints)
+        with self.clock("checkpoint"):
+            tensors = self.engine.checkpoint_tensors(self.optimizer) if writer or collective else None
+            self.files.write_checkpoint(step, self.cfg.hash(), checkpoint.gather(self.components), tensors, writer=writer,
+                                        collective=collective, keep=self.cfg.train.keep_checkpoints)
         self.files.status(f"step {step}")
 
     def step(self, step: int, down: frozenset[int]) -> tuple[dict | None, object]:
@@ -258,12 +268,14 @@ class Run:
         exact = _failure_free_gradient(self.engine, plan, self.cfg, self.optimizer) \
             if cc.track_grad_error and plan.failed and not plan.skipped else None
         t0 += time.perf_counter() - t_reference  # tokens/s of the step itself, without the tracking
-        result = self.engine.compute(plan, self.optimizer)
+        with self.clock("compute"):
+            result = self.engine.compute(plan, self.optimizer)
         rel_error = _relative_error(self.model, exact) if exact is not None else None
         loss = grad_norm = None
         if not plan.skipped:
             loss, grad_norm = result.loss, clip_gradients(self.model, self.cfg.optim.grad_clip)
-        verdict = self.membership.finish(plan, plan.skipped or (math.isfinite(loss) and math.isfinite(grad_norm)))
+        with self.clock("commit"):
+            verdict = self.membership.finish(plan, plan.skipped or (math.isfinite(loss) and math.isfinite(grad_norm)))
         if verdict == STOP:
             raise TrainingStopped(f"step {step + 1}: non-finite training loss {loss} or gradient norm {grad_norm} "
                                   f"(lr {lr:.3g}); nothing written for this step, the last checkpoint in "
@@ -271,7 +283,8 @@ class Run:
         if verdict == REDO:  # torchft: a peer died during the step, which is redone
             self.model.zero_grad(set_to_none=True)
             return None, plan
-        self.engine.update(plan, self.optimizer, lr)
+        with self.clock("update"):
+            self.engine.update(plan, self.optimizer, lr)
         p = self.progress
         p.last_loss = loss if loss is not None else p.last_loss
         p.tokens_trained += result.samples * dc.seq_len
@@ -317,6 +330,7 @@ class Run:
                 val_loss = self.evaluate("val", plan)
                 if val_loss is not None:
                     row["val_loss"] = val_loss
+            row["timing"] = self.clock.row()
             self.record(row)
             self.membership.end_step(row)
             bar.update(1)
@@ -335,6 +349,8 @@ class Run:
         bar.close()
         if self.metrics:
             self.metrics.close()
+        if self.board is not None:
+            self.board.close()
 
     def summary(self) -> dict:
         """Final evaluation; the process the backend names writes summary.json (torchft: each replica its own,
@@ -357,7 +373,7 @@ class Run:
             "replayed_steps": self.policy.replayed_steps, "skipped_steps": p.skipped_steps,
             "skipped_fraction": p.skipped_steps / tc.steps, "rank_agreement": agreement,
             "failure_schedule": {"fraction_failed": self.schedule.fraction_failed(), "events": self.schedule.failure_events()},
-            "wall_time_s": p.wall_time_s, "device": str(self.device), "git_commit": git_commit(),
+            "wall_time_s": p.wall_time_s, "timing": self.clock.summary(), "device": str(self.device), "git_commit": git_commit(),
             "packages": package_versions(), "backend": {"name": self.cfg.cluster.backend, **self.membership.summary_extras(digest)},
         }
         atomic_write_json(path, summary)
@@ -369,7 +385,8 @@ class Run:
         return summary
 
 
-def run(cfg: Config, out: Path, resume: bool = False, stop_after: int | None = None, quiet: bool = False) -> dict:
+def run(cfg: Config, out: Path, resume: bool = False, stop_after: int | None = None, quiet: bool = False,
+        tensorboard: Path | None = None) -> dict:
     """Train cfg for cfg.train.steps steps (or until stop_after, leaving a checkpoint) and return the summary.
     Under the torch backend every process calls run(); rank 0 alone writes files and prints."""
     spec = backend_spec(cfg.cluster.backend)
@@ -400,7 +417,7 @@ def run(cfg: Config, out: Path, resume: bool = False, stop_after: int | None = N
             release_lock(out)
         return decision["finished"]
     try:
-        training = Run(cfg, out, device, rank, quiet or not main)
+        training = Run(cfg, out, device, rank, quiet or not main, tensorboard=tensorboard)
     except BaseException:
         if main:
             give_up(out, made)
@@ -480,6 +497,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
     parser.add_argument("--out", help="output folder (default results/runs/<preset>-<config hash>)")
     parser.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint (must exist)")
     config_mod.add_flag(parser, "stop-after", type=int, help="stop after this step, leaving a checkpoint (simulates an interruption)")
+    parser.add_argument("--tensorboard", metavar="DIR", help="also write TensorBoard scalars to DIR (mecefo.board; "
+                        "pip install -e .[tb])")
     parser.add_argument("--quiet", action="store_true")
     args, rest = parser.parse_known_args(argv)
     overrides, i = {}, 0
@@ -513,7 +532,8 @@ def main(argv: list[str] | None = None) -> int:
             args, overrides = parse_args(argv)
             cfg = config_mod.load(args.config, overrides)
             out = Path(args.out) if args.out else Path("results") / "runs" / f"{cfg.model.preset}-{cfg.hash()}"
-            run(cfg, out, resume=args.resume, stop_after=args.stop_after, quiet=args.quiet)
+            run(cfg, out, resume=args.resume, stop_after=args.stop_after, quiet=args.quiet,
+                tensorboard=Path(args.tensorboard) if args.tensorboard else None)
             _leave_process_group(wait=True)
         finally:
             _leave_process_group(wait=False)

@@ -1,0 +1,37 @@
+"""GPU placement (mecefo.placement): every process of a node on a GPU of its own, CUDA_VISIBLE_DEVICES honoured,
+and a placement NCCL would refuse refused with one line."""
+
+import pytest
+
+from mecefo.errors import UsageError
+from mecefo.placement import launcher_gpus, local_device, visible_gpus
+
+
+def test_visible_gpus_follow_cuda_visible_devices():
+    assert visible_gpus(4, {}) == ["0", "1", "2", "3"]
+    assert visible_gpus(2, {"CUDA_VISIBLE_DEVICES": "4,6"}) == ["4", "6"]  # Slurm's allocation on a shared node
+    assert visible_gpus(1, {"CUDA_VISIBLE_DEVICES": "GPU-ab12,GPU-cd34"}) == ["GPU-ab12"]  # torch's count rules
+    assert visible_gpus(0, {"CUDA_VISIBLE_DEVICES": ""}) == []
+
+
+def test_the_launcher_gives_each_process_its_own_gpu_from_the_inherited_set():
+    env = {"CUDA_VISIBLE_DEVICES": "2,3,5,7"}
+    placed = launcher_gpus(2, 2, visible_gpus(4, env), env)
+    assert placed == [["2", "3"], ["5", "7"]]
+    assert len({g for group in placed for g in group}) == 4
+
+
+@pytest.mark.parametrize("ranks,group", [(2, 1), (3, 1), (1, 2), (2, 2)])
+def test_more_processes_than_gpus_is_refused_in_one_line(ranks, group):
+    env = {"CUDA_VISIBLE_DEVICES": "0"}
+    with pytest.raises(UsageError) as e:
+        launcher_gpus(ranks, group, visible_gpus(1, env), env)
+    msg = str(e.value)
+    assert "\n" not in msg and "NCCL" in msg and "CUDA_VISIBLE_DEVICES=0" in msg and f"{ranks * group} processes" in msg
+
+
+def test_torchrun_workers_take_their_local_rank_and_are_refused_beyond_the_visible_gpus():
+    assert local_device(8, {"LOCAL_RANK": "5", "LOCAL_WORLD_SIZE": "8"}) == 5
+    assert local_device(1, {}) == 0  # a process started alone: its starter gave it one GPU
+    with pytest.raises(UsageError, match="2 processes on this node .* see 1 GPU"):
+        local_device(1, {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "CUDA_VISIBLE_DEVICES": "3"})

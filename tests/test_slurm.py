@@ -1,0 +1,110 @@
+"""The Slurm recipe (scripts/slurm/mecefo.sbatch, python -m mecefo.slurm, its submitit launcher) on a fake
+allocation: the script's srun and scontrol replaced by local processes with the variables Slurm sets
+(tests/fake_slurm), each "node" one replica; a node's replica killed by the injector rejoins, and the run equals
+its simulated twin."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from mecefo.errors import UsageError
+from mecefo.launch import main as launch_main
+from mecefo.slurm import main as slurm_main
+from mecefo.slurm import parse_kill
+from mecefo.timing import PHASES
+from mecefo.train import main as train_main
+from tests.conftest import NANO, ROOT, metrics, python_module, subprocess_env
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+FAKE = ROOT / "tests" / "fake_slurm"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fake_allocation(nodes: int, **extra) -> dict:
+    """The environment of an sbatch script on a fake allocation of `nodes` nodes (this machine, each node once)."""
+    return subprocess_env(PATH=f"{FAKE}:{os.path.dirname(sys.executable)}:{os.environ['PATH']}", SLURM_JOB_ID="7",
+                          SLURM_NNODES=str(nodes), SLURM_JOB_NODELIST=f"fake[0-{nodes - 1}]", **extra)
+
+
+@pytest.mark.parametrize("spec", ["1", "1:x", "1:0", "1:3:-1", "1:3:2:5", "a:3"])
+def test_an_injector_kill_that_is_not_node_step_seconds_is_refused(spec):
+    with pytest.raises(UsageError, match="NODE:STEP"):
+        parse_kill(spec)
+
+
+def test_a_node_outside_the_run_or_outside_srun_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    assert launch_main([*NANO, "--ranks", "2", "--out", str(out), "--prepare"]) == 0
+    monkeypatch.delenv("SLURM_NODEID", raising=False)
+    assert slurm_main(["node", "--out", str(out), "--lighthouse", "http://127.0.0.1:1"]) == 2
+    assert "run it under srun" in capsys.readouterr().err
+    monkeypatch.setenv("SLURM_NODEID", "2")
+    assert slurm_main(["node", "--out", str(out), "--lighthouse", "http://127.0.0.1:1"]) == 2
+    assert "node 2: the run in" in capsys.readouterr().err
+    assert slurm_main(["inject", "--out", str(out), "--kill", "5:3"]) == 2
+    assert "must be in 0..1" in capsys.readouterr().err
+    assert slurm_main(["submit", "--out", str(out), "--nodes", "2", "--cluster", "local", "--", *NANO, "--ranks", "2"]) == 2
+    assert "set by --nodes" in capsys.readouterr().err
+
+
+def test_a_node_whose_lighthouse_never_answers_stops_with_one_line(tmp_path, capsys, monkeypatch):
+    import mecefo.slurm as slurm
+
+    out = tmp_path / "run"
+    assert launch_main([*NANO, "--ranks", "2", "--out", str(out), "--prepare"]) == 0
+    monkeypatch.setattr(slurm, "LIGHTHOUSE_WAIT_S", 0.5)
+    monkeypatch.setattr(slurm.wait_for_lighthouse, "__defaults__", (0.5,))
+    assert slurm_main(["node", "--out", str(out), "--lighthouse", f"http://127.0.0.1:{free_port()}", "--node", "0"]) == 3
+    assert "did not answer for 0.5 s" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["sbatch", "submitit"])
+def test_the_slurm_job_survives_a_node_killed_and_equals_its_simulated_twin(tmp_path, how):
+    """Two nodes; the injector kills node 1's replica at step 8 (SIGKILL to its process group, as a node lost) and its
+    supervisor restarts it 2 s later with --rejoin: it heals from node 0 and trains again. The merged run has every
+    step once, identical replicas, per-step timing (the quorum and the exchange on every row, the heal in the
+    restarted replica's totals), and node 0's lone steps and the rest equal the local backend on the same failed steps."""
+    out, port = tmp_path / "run", free_port()
+    args = [*NANO, "--steps", "60", "--eval_every", "30"]
+    if how == "sbatch":
+        env = fake_allocation(2, MECEFO_LIGHTHOUSE_PORT=str(port), MECEFO_INJECT="--kill 1:8:2",
+                              MECEFO_NODE_FLAGS="--min_step_s 0.25")
+        r = subprocess.run(["bash", str(ROOT / "scripts" / "slurm" / "mecefo.sbatch"), str(out), *args], env=env, cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+    else:
+        r = python_module("mecefo.slurm", "submit", "--out", str(out), "--nodes", "2", "--cluster", "local", "--wait",
+                          "--port", str(port), "--kill", "1:8:2", "--min_step_s", "0.25", "--", *args)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    events = [json.loads(line) for line in (out / "slurm" / "events.jsonl").read_text().splitlines()]
+    assert [e["kind"] for e in events if e.get("node") == 1] == ["start", "inject", "killed", "start", "finished"]
+    assert [e["kind"] for e in events if e.get("node") == 0] == ["start", "finished"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rank_agreement"] == {"ranks_checked": [0, 1], "identical": True}
+    rows = metrics(out)
+    assert [row["step"] for row in rows] == list(range(61))
+    alone = [row["step"] for row in rows[1:] if row["down"] == [1]]
+    assert alone and alone[0] >= 9 and rows[-1]["down"] == []  # it died after step 8 and came back
+    for row in rows[1:]:
+        t = row["timing"]
+        assert t["quorum_s"] > 0 and t["compute_s"] > 0 and (t["exchange_s"] > 0 or row["down"])
+        assert t["total_s"] == pytest.approx(sum(t[f"{k}_s"] for k in PHASES) + t["other_s"], abs=1e-5)
+    assert summary["backend"]["replica_timing"]["1"]["heal_s"] > 0 and summary["timing"]["pace_s"] > 0
+    twin = tmp_path / "twin"
+    assert train_main([*args, "--ranks", "2", "--quiet", "--out", str(twin), "--failures",
+                       f"steps:{out / 'failed_steps.json'}"]) == 0
+    for a, b in zip(rows[1:], metrics(twin)[1:], strict=True):
+        assert a["down"] == b["down"] and a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    if how == "sbatch":  # the same job submitted again: the finished run is reused, nothing started
+        r = subprocess.run(["bash", str(ROOT / "scripts" / "slurm" / "mecefo.sbatch"), str(out), *args], env=env, cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and "reused, nothing launched" in r.stdout, r.stderr[-2000:]
