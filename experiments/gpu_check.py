@@ -11,7 +11,9 @@ Checks, each recorded in results/gpu_check.json (results/gpu_check-cpu.json for 
 3. torchrun with one process (nccl on CUDA, gloo on the CPU), unsharded and FSDP2-sharded: the launch,
    the backend and the sharded code path on the device (with one rank there is no failure to cover; the
    multi-rank failure paths of both backends are covered by the gloo tests on the CPU).
-4. throughput of llama-60m and llama-130m (bf16 autocast, AdamW, synthetic tokens): tokens/s of a normal
+4. torchft (mecefo.launch): two replicas with one killed and healed where there are two devices, one on a single
+   GPU; on CUDA, one replica more than GPUs must be refused with one line (NCCL would refuse it at every restart).
+5. throughput of llama-60m and llama-130m (bf16 autocast, AdamW, synthetic tokens): tokens/s of a normal
    step, MFU = counted FLOPs (mecefo.costs) x steps/s / the GPU's bf16 dense peak, the wall-time ratio of a
    MeCeFO neighbour step (two micro-batches with the three techniques) to a normal step measured
    alternately in the same run, and the measured peak memory against mecefo.costs.training_memory.
@@ -99,10 +101,12 @@ def check_low_rank(device: torch.device, quick: bool) -> dict:
 
 def worker_error(stderr: str) -> str:
     """What a failed torchrun worker said: its traceback (or its one-line error), not torchrun's summary."""
-    lines = stderr.splitlines()
+    import re
+
+    lines = [re.sub(r"^\[rank\d+\]:\s?", "", line) for line in stderr.splitlines()]  # (torchrun's prefix of a worker's lines)
     starts = [i for i, line in enumerate(lines) if line.startswith("Traceback") or line.startswith(("error:", "stopped:"))]
-    shown = lines[starts[0]:] if starts else lines  # (the worker's comes first, torchrun's own last)
-    shown = [line for line in shown if not line.startswith(("[rank", "W1", "E1"))][:60]
+    shown = lines[starts[0]:starts[1] if len(starts) > 1 else None] if starts else lines  # (the worker's first)
+    shown = [line for line in shown if not line.startswith(("W1", "E1"))][:60]
     return "\n".join(shown)[-4000:]
 
 
@@ -124,6 +128,38 @@ def check_torchrun(device: torch.device, tmp: Path, steps: int) -> dict:
                       "backend": "nccl" if device.type == "cuda" else "gloo",
                       "final_val_loss": json.loads((run / "summary.json").read_text())["final_val_loss"]
                       if proc.returncode == 0 else None, "error": worker_error(proc.stderr) if proc.returncode else ""}
+    return out
+
+
+def check_torchft(device: torch.device, tmp: Path) -> dict:
+    """Real failures on the device: mecefo.launch (torchft, NCCL on CUDA, each replica on a GPU of its own). Two
+    replicas where the node has two devices (the CPU; CUDA with 2 GPUs), rank 1 SIGKILLed after step 6 and restarted
+    at step 10, healing from rank 0; one replica on a single GPU (two would share it, which NCCL refuses: the
+    launcher says so, checked here too)."""
+    import shutil
+
+    if shutil.which("torchft_lighthouse") is None and not Path(sys.executable).with_name("torchft_lighthouse").exists():
+        return {"skipped": "torchft is not installed"}
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 2
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"}
+    base = [sys.executable, "-m", "mecefo.launch", "--config", str(CONFIGS / "nano.toml"), "--steps", "20",
+            "--eval_every", "20", "--device", device.type, "--quiet"]
+    out = {}
+    ranks = 2 if gpus >= 2 else 1
+    run = tmp / "torchft"
+    t = time.perf_counter()
+    kill = ["--kill", "1:6:10", "--min_step_s", "0.2"] if ranks == 2 else []
+    proc = subprocess.run([*base, "--ranks", str(ranks), *kill, "--out", str(run)], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=300)
+    summary = json.loads((run / "summary.json").read_text()) if proc.returncode == 0 else {}
+    out["run"] = {"ranks": ranks, "exit": proc.returncode, "seconds": time.perf_counter() - t,
+                  "kills": summary.get("backend", {}).get("kills"), "final_val_loss": summary.get("final_val_loss"),
+                  "identical": summary.get("rank_agreement", {}).get("identical"), "timing": summary.get("timing"),
+                  "error": worker_error(proc.stderr) if proc.returncode else ""}
+    if device.type == "cuda":  # one more replica than GPUs: refused before anything starts
+        proc = subprocess.run([*base, "--ranks", str(gpus + 1), "--out", str(tmp / "refused")], capture_output=True,
+                              text=True, env=env, cwd=ROOT, timeout=120)
+        out["refused"] = {"exit": proc.returncode, "line": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""}
     return out
 
 
@@ -194,18 +230,23 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        print("1/4 bf16 training with every policy under failures", flush=True)
+        print("1/5 bf16 training with every policy under failures", flush=True)
         result["policies"] = check_policies(device, tmp, steps)
-        print("2/4 randomized V1 against the exact SVD", flush=True)
+        print("2/5 randomized V1 against the exact SVD", flush=True)
         result["low_rank"] = check_low_rank(device, quick)
-        print("3/4 torchrun with one process, unsharded and FSDP2", flush=True)
+        print("3/5 torchrun with one process, unsharded and FSDP2", flush=True)
         result["torchrun"] = check_torchrun(device, tmp, steps)
-    print("4/4 throughput, MFU, neighbour time ratio, peak memory", flush=True)
+        print("4/5 torchft: real failures (mecefo.launch)", flush=True)
+        result["torchft"] = check_torchft(device, tmp)
+    print("5/5 throughput, MFU, neighbour time ratio, peak memory", flush=True)
     sizes = [("nano", 4, 64, 3)] if quick else [("llama-60m", 32, 256, 10), ("llama-130m", 32, 256, 10)]
     result["throughput"] = [check_throughput(device, *s) for s in sizes]
     result["seconds"] = time.perf_counter() - t0
     ok = (all(p["exit"] == 0 and p["finite"] and p["steps_with_failures"] > 0 for p in result["policies"].values())
-          and all(t["exit"] == 0 for t in result["torchrun"].values()) and result["low_rank"]["energy_gap"] < 0.01)
+          and all(t["exit"] == 0 for t in result["torchrun"].values()) and result["low_rank"]["energy_gap"] < 0.01
+          and (result["torchft"].get("skipped") or (result["torchft"]["run"]["exit"] == 0
+                                                    and result["torchft"]["run"]["identical"]
+                                                    and result["torchft"].get("refused", {"exit": 2})["exit"] == 2)))
     result["ok"] = ok
     atomic_write_json(path, result)
     for t in result["throughput"]:

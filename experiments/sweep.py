@@ -26,6 +26,7 @@ from tqdm import tqdm
 from mecefo import config as config_mod
 from mecefo import failures, policies
 from mecefo.costs import Shape, training_memory
+from mecefo.data import c4_download
 from mecefo.errors import UsageError
 from mecefo.model import GPT, preset
 from mecefo.neighbour import Techniques
@@ -207,13 +208,20 @@ def full_commands(ranks: int = 32, nodes: int = 4) -> tuple[str, dict]:
                          "micro_batch_size": str(s["micro_batch"]), "grad_accum": str(accum), "steps": str(s["steps"]),
                          "lr": "1e-3", "warmup_steps": str(s["steps"] // 10), "eval_every": "1000",
                          "checkpoint_every": "1000", "ranks": str(ranks), "backend": "torch", "failures": level,
-                         "policy": "mecefo", "seconds_per_step": "2.2", "device": "cuda", "shard": s["shard"]}
+                         "policy": "mecefo", "seconds_per_step": "2.2", "device": "cuda", "shard": s["shard"],
+                         "c4_train_tokens": "0"}  # 0: one pass of the run's tokens, no window repeated
             cfg = config_mod.load(None, overrides)  # resolves, or raises with the field named
             if name not in memory:
+                download = c4_download(cfg.data.c4_train_tokens)
                 memory[name] = check_fits(cfg) | {"gpu_bytes": GPU_BYTES, "shard": s["shard"],
-                                                  "micro_batch": s["micro_batch"], "ranks": ranks}
+                                                  "micro_batch": s["micro_batch"], "ranks": ranks,
+                                                  "c4_train_tokens": cfg.data.c4_train_tokens, "c4_download": download}
                 lines.append(f"# {name}: {memory[name]['total'] / 1e9:.1f} GB per GPU of {GPU_BYTES / 1e9:.0f} "
                              f"(shard={s['shard']}; mecefo.costs.training_memory)")
+                lines.append(f"# {name}: {cfg.data.c4_train_tokens / 1e9:.2f}B training tokens (one pass), in about "
+                             f"{download['shards']} of C4's 1024 English train shards, {download['gigabytes']:g} GB: "
+                             f"huggingface-cli download allenai/c4 --repo-type dataset --local-dir $C4_DIR --include "
+                             + " ".join(f'"{p}"' for p in download["include"]))
             args = " ".join(f"--{k} {v}" for k, v in overrides.items())
             lines.append(f"torchrun --nnodes {nodes} --nproc_per_node {ranks // nodes} --node_rank $NODE_RANK "
                          f"--master_addr $MASTER_ADDR -m mecefo.train {args} --data_dir $C4_DIR "
@@ -237,7 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, mem in memory.items():
             parts = ", ".join(f"{k} {mem[k] / 1e9:.1f}" for k in ("parameters", "gradients", "optimizer_states",
                                                                     "gathered", "autocast", "bases", "activations"))
-            print(f"{name}: {mem['total'] / 1e9:.1f} GB per GPU of {GPU_BYTES / 1e9:.0f} (shard={mem['shard']}; {parts})")
+            print(f"{name}: {mem['total'] / 1e9:.1f} GB per GPU of {GPU_BYTES / 1e9:.0f} (shard={mem['shard']}; {parts}); "
+                  f"{mem['c4_train_tokens'] / 1e9:.2f}B C4 tokens, about {mem['c4_download']['shards']} train shards "
+                  f"({mem['c4_download']['gigabytes']:g} GB)")
         print(f"paper-scale commands (dry-run checked: configs resolve, shapes instantiate on meta, memory fits) -> {path}")
         return 0
     profile = "quick" if args.quick else "long" if args.long else "default"

@@ -35,3 +35,36 @@ def test_torchrun_workers_take_their_local_rank_and_are_refused_beyond_the_visib
     assert local_device(1, {}) == 0  # a process started alone: its starter gave it one GPU
     with pytest.raises(UsageError, match="2 processes on this node .* see 1 GPU"):
         local_device(1, {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "CUDA_VISIBLE_DEVICES": "3"})
+
+
+def test_fsdp_on_a_torch_without_unused_parameter_reduce_scatter_is_refused_in_one_line(monkeypatch):
+    """The GPU check met torch 2.11 (the device's image), whose FSDP2 lacks set_reduce_scatter_unused_params: a
+    neighbour's pieces leave attention unused, and without it the processes' reduce-scatters would not match."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from mecefo.engine import shard_model
+
+    monkeypatch.delattr(FSDPModule, "set_reduce_scatter_unused_params")
+    with pytest.raises(UsageError, match="--shard fsdp needs FSDP2's set_reduce_scatter_unused_params"):
+        shard_model(None, None)
+
+
+def test_the_gpu_check_keeps_a_torchrun_workers_own_traceback():
+    """torchrun prefixes a worker's lines with [rankN]: and ends with a traceback of its own (ChildFailedError);
+    the check records the worker's (the device's log, shortened)."""
+    from experiments.gpu_check import worker_error
+
+    stderr = "\n".join([
+        "/x/c10d_logger.py:83: UserWarning: barrier(): using the device under current context.",
+        "[rank0]: Traceback (most recent call last):",
+        '[rank0]:   File "/work/main/src/mecefo/engine.py", line 620, in shard_model',
+        "[rank0]:     model.set_reduce_scatter_unused_params(True)",
+        "[rank0]: AttributeError: 'FSDPGPT' object has no attribute 'set_reduce_scatter_unused_params'",
+        "Traceback (most recent call last):",
+        '  File "/x/torch/distributed/run.py", line 994, in <module>',
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+        "mecefo.train FAILED"])
+    error = worker_error(stderr)
+    assert error.startswith("Traceback") and error.endswith("no attribute 'set_reduce_scatter_unused_params'")
+    assert "ChildFailedError" not in error and "[rank0]" not in error
+    assert worker_error("error: 2 processes on this node see 1 GPU(s)\n") == "error: 2 processes on this node see 1 GPU(s)"

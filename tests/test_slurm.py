@@ -50,7 +50,7 @@ def test_a_node_outside_the_run_or_outside_srun_is_refused_in_one_line(tmp_path,
     monkeypatch.setenv("SLURM_NODEID", "2")
     assert slurm_main(["node", "--out", str(out), "--lighthouse", "http://127.0.0.1:1"]) == 2
     assert "node 2: the run in" in capsys.readouterr().err
-    assert slurm_main(["inject", "--out", str(out), "--kill", "5:3"]) == 2
+    assert slurm_main(["watch", "--out", str(out), "--kill", "5:3"]) == 2
     assert "must be in 0..1" in capsys.readouterr().err
     assert slurm_main(["submit", "--out", str(out), "--nodes", "2", "--cluster", "local", "--", *NANO, "--ranks", "2"]) == 2
     assert "set by --nodes" in capsys.readouterr().err
@@ -68,7 +68,7 @@ def test_a_node_whose_lighthouse_never_answers_stops_with_one_line(tmp_path, cap
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["sbatch", "submitit"])
+@pytest.mark.parametrize("how", ["submitit"])  # (the sbatch script: the README's rehearsal, tests/test_readme_cluster.py)
 def test_the_slurm_job_survives_a_node_killed_and_equals_its_simulated_twin(tmp_path, how):
     """Two nodes; the injector kills node 1's replica at step 8 (SIGKILL to its process group, as a node lost) and its
     supervisor restarts it 2 s later with --rejoin: it heals from node 0 and trains again. The merged run has every
@@ -108,3 +108,29 @@ def test_the_slurm_job_survives_a_node_killed_and_equals_its_simulated_twin(tmp_
         r = subprocess.run(["bash", str(ROOT / "scripts" / "slurm" / "mecefo.sbatch"), str(out), *args], env=env, cwd=ROOT,
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 0 and "reused, nothing launched" in r.stdout, r.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_every_node_dead_ends_the_job_and_the_same_job_submitted_again_continues_from_the_checkpoint(tmp_path):
+    """Both nodes killed at step 12: their supervisors restart them, they find no live peer to heal from within
+    MECEFO_FT_JOIN_TIMEOUT_S and stop (exit 3), and the job ends with exit 3 and says what to do. The same sbatch
+    command again resumes from the checkpoint of step 10 (the rows after it cut) and completes: every step once,
+    equal to the local backend."""
+    out, port = tmp_path / "run", free_port()
+    args = [*NANO, "--steps", "30", "--eval_every", "15", "--checkpoint_every", "5"]
+    job = ["bash", str(FAKE / "sbatch"), "--nodes=2", str(ROOT / "scripts" / "slurm" / "mecefo.sbatch"), str(out), *args]
+    env = fake_allocation(2, MECEFO_LIGHTHOUSE_PORT=str(port), MECEFO_NODE_FLAGS="--min_step_s 0.25",
+                          MECEFO_FT_JOIN_TIMEOUT_S="6")
+    r = subprocess.run(job, env={**env, "MECEFO_INJECT": "--kill 0:12 --kill 1:12"}, cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 3, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "submit the same command again to continue" in r.stderr
+    assert not (out / "summary.json").exists()
+    r = subprocess.run(job, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = metrics(out)
+    assert [row["step"] for row in rows] == list(range(31)) and all(row["down"] == [] for row in rows[1:])
+    assert json.loads((out / "summary.json").read_text())["rank_agreement"]["identical"]
+    assert train_main([*args, "--ranks", "2", "--quiet", "--out", str(tmp_path / "twin")]) == 0
+    for a, b in zip(rows[1:], metrics(tmp_path / "twin")[1:], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)

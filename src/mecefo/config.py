@@ -111,6 +111,11 @@ class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def validate(self) -> "Config":
+        if self.data.c4_train_tokens == 0:  # sized to the run (mecefo.data.run_tokens)
+            from .data import run_tokens
+
+            sized = run_tokens(self.train.steps, self.cluster.ranks, self.data)
+            return replace(self, data=replace(self.data, c4_train_tokens=sized)).validate()
         for section in fields(self):
             getattr(self, section.name).validate()
         if self.model.hf_config and self.cluster.shard != "none":

@@ -16,6 +16,7 @@ import gzip
 import hashlib
 import json
 import os
+import sys
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -175,7 +176,7 @@ class DataConfig:
     grad_accum: int = 1  # micro-batches per rank per optimizer step
     data_dir: str = ""  # c4: folder of local json.gz shards ("" = stream with `datasets`)
     tokenizer_file: str = ""  # a tokenizers JSON file to use instead of training BPE (e.g. T5's)
-    c4_train_tokens: int = 20_000_000  # c4: tokens of the training stream kept in the memmap
+    c4_train_tokens: int = 20_000_000  # c4: tokens of the training stream kept in the memmap (0: sized to the run, one pass: see run_tokens)
     c4_val_tokens: int = 2_000_000  # c4: tokens of the validation stream kept
     c4_tokenizer_docs: int = 100_000  # c4: documents the BPE is trained on
     val_windows: int = 64  # validation/test windows of seq_len tokens (0: every window of the split)
@@ -191,6 +192,40 @@ class DataConfig:
             raise UsageError(f"data.val_windows={self.val_windows} must be a positive integer, or 0 for the whole split")
         if self.tokenizer_file and not Path(self.tokenizer_file).is_file():
             raise UsageError(f"data.tokenizer_file={self.tokenizer_file!r} does not exist")
+
+
+# C4's English variant as published (allenai/c4 on Hugging Face: en/c4-train.NNNNN-of-01024.json.gz, 305 GB for the
+# variant; Dodge et al. 2021, "Documenting Large Webtext Corpora", Table 1: 365M documents, 156B tokens with T5's
+# tokenizer). Per shard, on average: the sizes a download is planned with (our BPE counts differ by some percent).
+C4_EN_TRAIN_SHARDS = 1024
+C4_EN_TOKENS_PER_SHARD = 156e9 / C4_EN_TRAIN_SHARDS
+C4_EN_GB_PER_SHARD = 305 / C4_EN_TRAIN_SHARDS
+
+
+def c4_download(tokens: int, margin: float = 1.1) -> dict:
+    """How many of C4's English train shards hold `tokens` (with a margin for our tokenizer's counts), their size, and
+    the --include patterns of `huggingface-cli download allenai/c4` that fetch the first ones (and the validation)."""
+    import math
+
+    shards = min(C4_EN_TRAIN_SHARDS, math.ceil(margin * tokens / C4_EN_TOKENS_PER_SHARD))
+    patterns, done = [], 0
+    for block in (100, 10):  # whole hundreds, then whole tens, then the last ones as a character class
+        while shards - done >= block:
+            patterns.append(f"{done // block:0{5 - len(str(block)) + 1}d}" + "?" * (len(str(block)) - 1))
+            done += block
+    if shards > done:
+        last = shards - done - 1
+        patterns.append(f"{done // 10:04d}" + (f"[0-{last}]" if last else "0"))
+    return {"shards": shards, "gigabytes": round(shards * C4_EN_GB_PER_SHARD, 1),
+            "include": [f"en/c4-train.{p}-of-01024.json.gz" for p in patterns]
+            + ["en/c4-validation.00000-of-00008.json.gz"]}
+
+
+def run_tokens(steps: int, ranks: int, dc: DataConfig) -> int:
+    """The training tokens one pass of a run reads: steps x ranks x grad_accum x micro_batch_size windows of seq_len + 1
+    tokens (windows do not overlap), and one window more for the epoch's random offset. data.c4_train_tokens = 0 keeps
+    this many, so that a paper-scale run never repeats a window."""
+    return (steps * ranks * dc.grad_accum * dc.micro_batch_size + 1) * (dc.seq_len + 1)
 
 
 class TokenData:
@@ -302,6 +337,9 @@ def _prepare(cfg: DataConfig) -> Path:
     vocab = tok.get_vocab_size()
     dtype = np.uint16 if vocab <= np.iinfo(np.uint16).max else np.uint32
     counts = {s: _write_tokens(d, tok, tmp / f"{s}.bin", limits[s], dtype) for s, d in docs.items()}
+    if limits["train"] is not None and counts["train"] < limits["train"]:
+        print(f"warning: the C4 shards hold {counts['train']:,} training tokens, fewer than data.c4_train_tokens="
+              f"{limits['train']:,}: windows will repeat (download more shards: mecefo.data.c4_download)", file=sys.stderr)
     tok.save(str(tmp / "tokenizer.json"))
     meta = {"key": key, "vocab_size": vocab, "dtype": np.dtype(dtype).name, "splits": list(docs), "tokens": counts}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))

@@ -613,6 +613,14 @@ def shard_model(model: torch.nn.Module, device: torch.device) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from torch.distributed.fsdp import FSDPModule
+
+    from .errors import UsageError
+
+    if not hasattr(FSDPModule, "set_reduce_scatter_unused_params"):  # (the GPU check met torch 2.11 without it)
+        raise UsageError(f"--shard fsdp needs FSDP2's set_reduce_scatter_unused_params, which torch {torch.__version__} "
+                         "lacks (a neighbour's pieces leave attention unused and the processes' reduce-scatters would "
+                         "not match): install the pinned torch (requirements.txt; 2.13 has it)")
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for block in model.layers:
         fully_shard(block, mesh=mesh)

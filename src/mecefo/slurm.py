@@ -1,10 +1,10 @@
 """MeCeFO with real failures on a Slurm allocation: one replica group per node, each restarted on its node when it
-dies, and a failure injector. scripts/slurm/mecefo.sbatch uses the first two; `submit` does the same through
-submitit.
+dies, the progress line and a failure injector. scripts/slurm/mecefo.sbatch runs them; `submit` does the same
+through submitit.
 
     python -m mecefo.slurm lighthouse --port 29510 &                          # on the batch host (the first node)
     python -m mecefo.slurm node --out DIR --lighthouse http://HEAD:29510        # srun: once per node
-    python -m mecefo.slurm inject --out DIR --kill 1:200:30 --chaos 7:0.5       # on the batch host, in the background
+    python -m mecefo.slurm watch --out DIR [--kill 1:200:30] [--chaos 7:0.5]   # on the batch host, in the background
     python -m mecefo.slurm submit --out DIR --nodes 4 --gpus_per_node 8 [--partition P] -- TRAINER FLAGS
 
 `lighthouse` runs torchft's lighthouse with the launcher's settings (mecefo.launch), listening on every interface:
@@ -19,7 +19,8 @@ It ends with the replica's own status: 0 finished, 2 bad input, 3 cannot go on (
 same job again and it continues from the last checkpoint). Other nodes reach this node's servers at its hostname
 (MECEFO_FT_HOST, unless set).
 
-`inject` kills nodes' replica groups as a node failure would (SIGKILL to every process of the group): at committed
+`watch` prints the run's progress line (mecefo.progress: step, ranks training, last heal, ETA) every
+MECEFO_PROGRESS_S seconds, and is the failure injector: it kills nodes' replica groups as a node failure would (SIGKILL to every process of the group): at committed
 steps (--kill NODE:STEP[:SECONDS], restarted after SECONDS, default 0) and at random (--chaos SEED[:RATE], RATE
 per minute, a uniformly drawn node among those training, never the last, restarted after U(0, 2) s, until the last
 30% of the steps). A kill is a file OUT/slurm/kill-node<R> that node R's supervisor acts on (the injector needs
@@ -30,6 +31,7 @@ OUT/slurm/events.jsonl.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -81,7 +83,7 @@ def committed(out: Path, ranks: int) -> tuple[int, list[str]]:
 
 
 def replica_command(out: Path, rank: int, lighthouse: str, group_size: int, shard: str, wait_for: int, rejoin: bool,
-                    host: str, min_step_s: float) -> list[str]:
+                    host: str, min_step_s: float, tensorboard: str | None = None) -> list[str]:
     """The node's replica: `python -m mecefo.ft`, or a group of group_size processes under torchrun (--shard fsdp)."""
     if shard == "fsdp":
         with socket.socket() as s:  # the group's store, on this node
@@ -94,7 +96,8 @@ def replica_command(out: Path, rank: int, lighthouse: str, group_size: int, shar
     else:
         starter = ["-m", "mecefo.ft"]
     return [sys.executable, *starter, "--out", str(out), "--replica", str(rank), "--lighthouse", lighthouse,
-            "--min_step_s", str(min_step_s), *(["--rejoin"] if rejoin else ["--wait_for", str(wait_for)])]
+            "--min_step_s", str(min_step_s), *(["--rejoin"] if rejoin else ["--wait_for", str(wait_for)]),
+            *(["--tensorboard", str(Path(tensorboard) / f"rank{rank}")] if tensorboard else [])]
 
 
 def lighthouse_command(port: int) -> list[str]:
@@ -116,7 +119,8 @@ def wait_for_lighthouse(lighthouse: str, seconds: float = LIGHTHOUSE_WAIT_S) -> 
         time.sleep(0.2)
 
 
-def node(out: Path, rank: int, lighthouse: str, group_size: int | None, max_restarts: int, min_step_s: float = 0.0) -> int:
+def node(out: Path, rank: int, lighthouse: str, group_size: int | None, max_restarts: int, min_step_s: float = 0.0,
+         tensorboard: str | None = None) -> int:
     """One node's supervisor (see the module's docstring); returns its exit status. group_size None: the node's GPUs
     (SLURM_GPUS_ON_NODE) with --shard fsdp, else 1."""
     cfg = config_mod.build(read_config(out, "mecefo.launch --prepare"))
@@ -143,7 +147,7 @@ def node(out: Path, rank: int, lighthouse: str, group_size: int | None, max_rest
     while True:
         log = open(out / "replicas" / f"node{rank}.log", "a")
         proc = subprocess.Popen(replica_command(out, rank, lighthouse, group_size, cfg.cluster.shard, ranks, rejoin,
-                                                host, min_step_s),
+                                                host, min_step_s, tensorboard),
                                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
         say(f"started replica {rank} (pid {proc.pid}{', rejoining' if rejoin else ''})", kind="start", rank=rank,
@@ -194,8 +198,8 @@ def node(out: Path, rank: int, lighthouse: str, group_size: int | None, max_rest
         rejoin = True
 
 
-def inject(out: Path, kills: list[tuple[int, int, float]], chaos_spec: str | None, stop_after_s: float | None = None) -> int:
-    """The failure injector (see the module's docstring); returns 0 when the run has finished."""
+def watch(out: Path, kills: list[tuple[int, int, float]], chaos_spec: str | None, stop_after_s: float | None = None) -> int:
+    """The progress line and the failure injector (see the module's docstring); returns 0 when the run has finished."""
     cfg = config_mod.build(read_config(out, "mecefo.launch --prepare"))
     ranks, steps = cfg.cluster.ranks, cfg.train.steps
     for n, _, _ in kills:
@@ -205,24 +209,28 @@ def inject(out: Path, kills: list[tuple[int, int, float]], chaos_spec: str | Non
     rng, pending, t0 = random.Random(seed), sorted(kills, key=lambda k: k[1]), time.monotonic()
     next_at = t0 + rng.expovariate(rate / 60) if rate else None
     slurm_dir(out).mkdir(parents=True, exist_ok=True)
-    progress, before = ProgressLine(steps), []
+    progress, heals = ProgressLine(steps), {}
 
     def fire(n: int, seconds: float, why: str, step: int) -> None:
         atomic_write_text(kill_request(out, n), f"{seconds:.3f}")
         record(out, kind="inject", node=n, why=why, step=step, restart_after_s=seconds)
-        print(f"[inject] node {n} killed at step {step} ({why}; restarted after {seconds:.1f} s)", flush=True)
+        print(f"[watch] node {n} killed at step {step} ({why}; restarted after {seconds:.1f} s)", flush=True)
 
     while True:
         step, words = committed(out, ranks)
         if words and all(w == "finished" for w in words):
             return 0
-        for r, (was, now) in enumerate(zip(before, words)):
-            if was in ("waiting", "healing", "starting") and now in TRAINING:
-                progress.healed(r, step)
-        before = words
+        for r in range(ranks):  # a heal is a line of the replica's heals file (mecefo.ft)
+            path = out / "replicas" / f"rank{r}.heals.jsonl"
+            size = path.stat().st_size if path.exists() else 0
+            if size > heals.get(r, 0):
+                last = path.read_text().strip().splitlines()[-1]
+                with contextlib.suppress(ValueError, KeyError):
+                    progress.healed(r, json.loads(last)["healed_at_step"])
+            heals[r] = size
         line = progress.line(step, sum(w in TRAINING for w in words), ranks)
         if line:
-            print(f"[progress] {line}", flush=True)
+            print(f"[watch] {line}", flush=True)
         if stop_after_s is not None and time.monotonic() - t0 > stop_after_s:
             return 0
         while pending and step >= pending[0][1]:
@@ -262,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="processes of the node's replica group with --shard fsdp (default: SLURM_GPUS_ON_NODE, else 1)")
     config_mod.add_flag(n, "max-restarts", type=int, default=3)
     config_mod.add_flag(n, "min-step-s", type=float, default=0.0)
-    i = sub.add_parser("inject", help="the failure injector (on the batch host, in the background)")
+    n.add_argument("--tensorboard", metavar="DIR", help="the replica's TensorBoard scalars in DIR/rank<R> (mecefo.board)")
+    i = sub.add_parser("watch", help="the progress line and the failure injector (on the batch host, in the background)")
     i.add_argument("--out", required=True)
     i.add_argument("--kill", action="append", default=[], help="NODE:STEP[:SECONDS]")
     i.add_argument("--chaos", metavar="SEED[:RATE]")
@@ -282,9 +291,9 @@ def main(argv: list[str] | None = None) -> int:
             rank = args.node if args.node is not None else int(os.environ.get("SLURM_NODEID", "-1"))
             if rank < 0:
                 raise UsageError("python -m mecefo.slurm node: no --node and no SLURM_NODEID (run it under srun)")
-            return node(out, rank, args.lighthouse, args.group_size, args.max_restarts, args.min_step_s)
-        if args.verb == "inject":
-            return inject(out, [parse_kill(k) for k in args.kill], args.chaos)
+            return node(out, rank, args.lighthouse, args.group_size, args.max_restarts, args.min_step_s, args.tensorboard)
+        if args.verb == "watch":
+            return watch(out, [parse_kill(k) for k in args.kill], args.chaos)
         from .submit import submit
 
         return submit(args, rest)

@@ -5,7 +5,8 @@
 
 On the submitting machine it checks the trainer flags and writes DIR/config.json (mecefo.launch --prepare, DIR on a
 file system the nodes share), then submits one task per node. Each task is a node's supervisor (mecefo.slurm node);
-the first task also runs the lighthouse and, with --kill or --chaos, the failure injector, and keeps the lighthouse
+the first task also runs the lighthouse and `mecefo.slurm watch` (the progress line, and with --kill or --chaos the
+failure injector), and keeps the lighthouse
 until every replica has finished. With --wait it waits for the job and merges the replicas' records
 (mecefo.launch --merge); without, it prints the job id and the merge command. `--cluster local` runs the job's
 tasks as processes of this machine (submitit's LocalExecutor, each task standing for a node): how the tests run it.
@@ -38,6 +39,7 @@ def add_arguments(p) -> None:
     p.add_argument("--chaos", metavar="SEED[:RATE]", help="the injector's random node kills")
     config_mod.add_flag(p, "max-restarts", type=int, default=3)
     config_mod.add_flag(p, "min-step-s", type=float, default=0.0)
+    p.add_argument("--tensorboard", metavar="DIR", help="each replica's TensorBoard scalars in DIR/rank<R> (mecefo.board)")
     p.add_argument("--wait", action="store_true", help="wait for the job, then merge its records")
 
 
@@ -52,6 +54,7 @@ class NodeTask:
     chaos: str | None
     max_restarts: int
     min_step_s: float
+    tensorboard: str | None = None
 
     def __call__(self) -> int:
         import submitit
@@ -62,17 +65,16 @@ class NodeTask:
         rank, head, out = env.global_rank, env.hostnames[0], Path(self.out)
         lighthouse = f"http://{head}:{self.port}"
         helpers = []
-        if rank == 0:  # the first node: the lighthouse and the injector
+        if rank == 0:  # the first node: the lighthouse and the watcher
             slurm.slurm_dir(out).mkdir(parents=True, exist_ok=True)
             with open(slurm.slurm_dir(out) / "lighthouse.log", "a") as log:
                 helpers.append(subprocess.Popen(slurm.lighthouse_command(self.port), stdout=log, stderr=subprocess.STDOUT,
                                                 env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")}))
-            if self.kills or self.chaos:
-                helpers.append(subprocess.Popen([sys.executable, "-m", "mecefo.slurm", "inject", "--out", self.out,
-                                                 *(a for k in self.kills for a in ("--kill", k)),
-                                                 *(["--chaos", self.chaos] if self.chaos else [])]))
+            helpers.append(subprocess.Popen([sys.executable, "-m", "mecefo.slurm", "watch", "--out", self.out,  # the
+                                             *(a for k in self.kills for a in ("--kill", k)),  # progress line, and
+                                             *(["--chaos", self.chaos] if self.chaos else [])]))  # the injector
         try:
-            code = slurm.node(out, rank, lighthouse, self.group_size, self.max_restarts, self.min_step_s)
+            code = slurm.node(out, rank, lighthouse, self.group_size, self.max_restarts, self.min_step_s, self.tensorboard)
             if rank == 0:  # keep the lighthouse for the others' last steps
                 cfg = config_mod.build(slurm.read_config(out, "mecefo.launch --prepare"))
                 deadline = time.monotonic() + slurm.RUN_OVER_S * 2
@@ -120,7 +122,7 @@ def submit(args, trainer_flags: list[str]) -> int:
                                    **({"cpus_per_task": args.cpus_per_task} if args.cpus_per_task else {}),
                                    **({"slurm_partition": args.partition} if args.partition else {}))
     task = NodeTask(args.out, args.port or slurm.LIGHTHOUSE_PORT, args.gpus_per_node if fsdp and args.gpus_per_node else None,
-                    list(args.kill), args.chaos, args.max_restarts, args.min_step_s)
+                    list(args.kill), args.chaos, args.max_restarts, args.min_step_s, args.tensorboard)
     job = executor.submit(task)
     print(f"submitted job {job.job_id} ({cluster}, {args.nodes} nodes): its logs in {Path(args.out) / 'slurm' / 'submitit'}",
           flush=True)
