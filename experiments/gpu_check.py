@@ -99,6 +99,13 @@ def check_low_rank(device: torch.device, quick: bool) -> dict:
     return {"shape": [m, n], "r": r, "energy_gap": float(gap), "exact_seconds": t_exact, "randomized_seconds": t_rand}
 
 
+def child_env() -> dict:
+    """The environment of a child python: this checkout first on the path, the caller's PYTHONPATH kept (where a
+    package such as torchft lives outside site-packages; the GPU check once lost the lighthouse's so)."""
+    inherited = os.environ.get("PYTHONPATH", "")
+    return {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}" + (f":{inherited}" if inherited else "")}
+
+
 def worker_error(stderr: str) -> str:
     """What a failed torchrun worker said: its traceback (or its one-line error), not torchrun's summary."""
     import re
@@ -111,7 +118,7 @@ def worker_error(stderr: str) -> str:
 
 
 def check_torchrun(device: torch.device, tmp: Path, steps: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"}
+    env = child_env()
     out = {}
     for shard in ("none", "fsdp"):
         run = tmp / f"torchrun-{shard}"
@@ -141,7 +148,7 @@ def check_torchft(device: torch.device, tmp: Path) -> dict:
     if shutil.which("torchft_lighthouse") is None and not Path(sys.executable).with_name("torchft_lighthouse").exists():
         return {"skipped": "torchft is not installed"}
     gpus = torch.cuda.device_count() if device.type == "cuda" else 2
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"}
+    env = child_env()
     base = [sys.executable, "-m", "mecefo.launch", "--config", str(CONFIGS / "nano.toml"), "--steps", "20",
             "--eval_every", "20", "--device", device.type, "--quiet"]
     out = {}

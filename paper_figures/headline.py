@@ -1,5 +1,5 @@
 """The README's first screen: one line per answer (quality, throughput, the bound, the theory checks, what has
-never run on a GPU), each with its interval, rendered from the results files that decide it.
+what has run on a GPU), each with its interval, rendered from the results files that decide it.
 
     python -m paper_figures.headline [--quick]
 """
@@ -149,14 +149,52 @@ def golden(tol: dict) -> str:
             "or the weight of the neighbour's pieces in the aggregate (by 5%) changes, and passes a 1-ulp perturbation of the initial weights.")
 
 
+GPU_RUNS = ROOT / "experiments" / "gpu_runs"  # experiments.gpu_check's records from GPU machines, kept in the repository
+
+
+def gpu(records: list[dict]) -> str:
+    """What has run on a GPU: the latest record of experiments.gpu_check on one (experiments/gpu_runs/), or that none
+    has."""
+    if not records:
+        return ("- **Never run on a GPU:** the CUDA paths (nccl, bf16 autocast, FSDP2 sharding, torchft over NCCL) are "
+                "written and tested on the CPU only; `python -m experiments.gpu_check` is the first thing to run on one.")
+    r = max(records, key=lambda x: x["date"])
+    ran, failed = [], []
+    policies = r["policies"]
+    good = [p for p, v in policies.items() if v["exit"] == 0 and v["finite"] and v["steps_with_failures"] > 0]
+    (ran if len(good) == len(policies) else failed).append(
+        f"bf16 training under failures with {len(good)} of {len(policies)} policies")
+    ran.append(f"the randomized V1 (energy gap {100 * r['low_rank']['energy_gap']:.2f}% against the exact SVD)")
+    for shard, what in (("none", "torchrun over NCCL"), ("fsdp", "FSDP2 under torchrun")):
+        t = r["torchrun"][shard]
+        (ran if t["exit"] == 0 else failed).append(what + ("" if t["exit"] == 0 else f" ({t['error'].splitlines()[-1]})"))
+    ft = r.get("torchft", {})
+    if "run" in ft:
+        run = ft["run"]
+        what = (f"torchft on CUDA ({run['ranks']} replica{'s' if run['ranks'] > 1 else ''}"
+                + (f", {run['kills']} killed and healed" if run.get("kills") else "") + ")")
+        (ran if run["exit"] == 0 else failed).append(what)
+        if "refused" in ft:
+            (ran if ft["refused"]["exit"] == 2 else failed).append("one replica more than GPUs refused in one line")
+    speed = "; ".join(f"{t['preset']} {t['tokens_per_s']:,.0f} tokens/s (MFU {100 * t['mfu']:.1f}%, peak memory "
+                      f"{t['measured_over_predicted']:.2f}x mecefo.costs' prediction)" for t in r["throughput"])
+    return (f"- **On a GPU** (`experiments.gpu_check` on one {r['device']}, torch {r['packages']['torch']}, "
+            f"{r['date']}, the tree of commit `{r['tree_commit'][:12]}`; `{r['file']}`): ran: {'; '.join(ran)}"
+            + (f". Failed: {'; '.join(failed)}" if failed else "") + f". {speed}. Not yet run on several GPUs: "
+            "replicas healing over NCCL, FSDP2 groups across GPUs.")
+
+
+def gpu_records() -> list[dict]:
+    return [json.loads(p.read_text()) | {"file": str(p.relative_to(ROOT))} for p in sorted(GPU_RUNS.glob("*.json"))]
+
+
 def headline(quick: bool) -> str:
     profile = "quick" if quick else "default"
     t3 = _read(RESULTS / "sweep" / f"table3-{profile}.json")
     lines = [quality(t3), *throughput(_read(measurement("throughput", "table2", quick)),
                                       _read(measurement("throughput", "hypotheses", quick))),
              *theory(_read(measurement("analysis", "grad_error", quick)), _read(measurement("analysis", "rate", quick))),
-             "- **Never run on a GPU:** the CUDA paths (nccl, bf16 autocast, FSDP2 sharding, torchft over NCCL) are "
-             "written and tested on the CPU only; `python -m experiments.gpu_check` is the first thing to run on one."]
+             gpu(gpu_records())]
     return "\n".join(lines) + "\n"
 
 

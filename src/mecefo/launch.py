@@ -18,7 +18,10 @@ lost), --kill R/J:S[:S2] kills its process J only, and a group missing any proce
 restarted. A replica killed by anyone's signal is restarted at once; one that crashes (an exit status other
 than 2, bad input, and 3, cannot go on) is restarted up to --max_restarts times. Every process started here is
 killed on exit, Ctrl-C included. If every replica is dead at once, the run stops (exit 3) with the last
-checkpoint intact; `--resume` continues from it.
+checkpoint intact; `--resume` continues from it. Every MECEFO_PROGRESS_S seconds (10) it prints a progress line
+(mecefo.progress: the committed step, the ranks training, the last heal, the step rate and the time left);
+--tensorboard DIR writes TensorBoard scalars (mecefo.board): the launcher's in DIR/launcher, replica r's rows in
+DIR/rank<r>. Each process gets a GPU of its own on CUDA (mecefo.placement).
 
 Outputs in DIR, merged from the replicas' files in the trainer's record schema (mecefo.records):
 metrics.jsonl (the step-0 evaluation, then one row per committed step: loss, lr, gradient norm, the ranks
