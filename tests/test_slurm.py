@@ -86,9 +86,13 @@ def test_the_slurm_job_survives_a_node_killed_and_equals_its_simulated_twin(tmp_
                           "--port", str(port), "--kill", "1:8:2", "--min_step_s", "0.25", "--", *args)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     events = [json.loads(line) for line in (out / "slurm" / "events.jsonl").read_text().splitlines()]
-    assert [e["kind"] for e in events if e.get("node") == 1] == ["start", "inject", "killed", "start", "finished"]
+    node1 = [e["kind"] for e in events if e.get("node") == 1]
+    assert "inject" in node1 and [k for k in node1 if k != "inject"] == ["start", "kill", "start", "finished"]
     assert [e["kind"] for e in events if e.get("node") == 0] == ["start", "finished"]
     summary = json.loads((out / "summary.json").read_text())
+    timings = summary["backend"]["timings"]  # the node supervisors' events, merged as the launcher's are
+    assert summary["backend"]["kills"] == 1 and len(timings["kill_to_step_s"]) == 1
+    assert len(timings["restart_to_rejoin_s"]) == 1 and summary["backend"]["not_rejoined"] == []
     assert summary["rank_agreement"] == {"ranks_checked": [0, 1], "identical": True}
     rows = metrics(out)
     assert [row["step"] for row in rows] == list(range(61))
@@ -134,3 +138,43 @@ def test_every_node_dead_ends_the_job_and_the_same_job_submitted_again_continues
     assert train_main([*args, "--ranks", "2", "--quiet", "--out", str(tmp_path / "twin")]) == 0
     for a, b in zip(rows[1:], metrics(tmp_path / "twin")[1:], strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+
+
+def processes_of(out) -> list[int]:
+    """The pids whose command line names OUT (the run's supervisors, replicas, lighthouse's watcher)."""
+    found = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                cmd = open(f"/proc/{d}/cmdline", "rb").read().decode(errors="replace")
+            except OSError:
+                continue
+            if str(out) in cmd:
+                found.append(int(d))
+    return found
+
+
+@pytest.mark.slow
+def test_a_job_cancelled_leaves_no_process_behind(tmp_path):
+    """scancel (SIGTERM to the job's processes) while both nodes train: every node supervisor takes its replica
+    group down with it (the replicas run in sessions of their own, so a signal to the job does not reach them), and
+    the watcher and the lighthouse go with the batch script; a later submission continues."""
+    import signal
+    import time
+
+    out, port = tmp_path / "run", free_port()
+    job = subprocess.Popen(["bash", str(FAKE / "sbatch"), "--nodes=2", str(ROOT / "scripts" / "slurm" / "mecefo.sbatch"),
+                            str(out), *NANO, "--steps", "200"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, start_new_session=True,
+                           env=fake_allocation(2, MECEFO_LIGHTHOUSE_PORT=str(port), MECEFO_NODE_FLAGS="--min_step_s 0.1"))
+    deadline = time.time() + 120
+    while not all((out / "replicas" / f"rank{r}.status").exists() and (out / "replicas" / f"rank{r}.status").read_text()
+                  .startswith("step") for r in (0, 1)):
+        assert time.time() < deadline and job.poll() is None, "the job did not start training"
+        time.sleep(0.2)
+    os.killpg(job.pid, signal.SIGTERM)
+    job.wait(timeout=60)
+    deadline = time.time() + 10
+    while processes_of(out) and time.time() < deadline:
+        time.sleep(0.2)
+    assert processes_of(out) == []

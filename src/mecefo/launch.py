@@ -770,9 +770,27 @@ def merge_by_hand(out: Path, other_flags) -> int:
     if other_flags:
         raise UsageError("--merge takes only --out (the run's config is the one in DIR/config.json)")
     cfg = config_mod.build(read_config(out, "mecefo.launch --prepare"))
-    summary = merge(out, cfg, [])
-    print(f"merged {cfg.cluster.ranks} replicas' records: val loss {summary['final_val_loss']:.4f} -> {out}", flush=True)
+    summary = merge(out, cfg, slurm_events(out))
+    t = summary["backend"]["timings"]
+    print(f"merged {cfg.cluster.ranks} replicas' records: val loss {summary['final_val_loss']:.4f}; "
+          f"{summary['backend']['kills']} kills; kill -> next step {_fmt(t['kill_to_step_s'])} s, restart -> rejoin "
+          f"{_fmt(t['restart_to_rejoin_s'])} s -> {out}", flush=True)
     return 0
+
+
+def slurm_events(out: Path) -> list[dict]:
+    """The node supervisors' starts, kills and deaths (mecefo.slurm, OUT/slurm/events.jsonl), in time order; none
+    for replicas started by hand."""
+    path = out / "slurm" / "events.jsonl"
+    if not path.exists():
+        return []
+    events = []
+    for line in path.read_text().splitlines():
+        try:
+            events.append(json.loads(line))
+        except ValueError:  # a line torn by a supervisor killed mid-write
+            continue
+    return sorted(events, key=lambda e: e["time"])
 
 
 def _not_rejoined(missing: list[dict]) -> str:

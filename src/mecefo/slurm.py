@@ -46,6 +46,7 @@ from . import chaos
 from . import config as config_mod
 from .errors import BAD_INPUT, CANNOT_GO_ON, UsageError, guarded
 from .launch import TRAINING
+from .processes import die_with_parent
 from .progress import ProgressLine
 from .records import atomic_write_text
 from .runfiles import read_config, read_replica_status
@@ -135,9 +136,20 @@ def node(out: Path, rank: int, lighthouse: str, group_size: int | None, max_rest
     env = {**os.environ, "MECEFO_FT_HOST": host}
     for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):  # Slurm's or a caller's torchrun
         env.pop(k, None)
-    t0, crashes, rejoin = time.time(), 0, False
+    t0, crashes, rejoin, why = time.time(), 0, False, "initial"
     request = kill_request(out, rank)
     request.unlink(missing_ok=True)
+
+    current = [None]  # the replica group's leader process, while it runs
+
+    def stop(signum, _frame):  # scancel, the time limit, Ctrl-C: the replica group goes down with its supervisor
+        if current[0] is not None and current[0].poll() is None:
+            os.killpg(current[0].pid, signal.SIGKILL)
+            current[0].wait()
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(sig, stop)
 
     def say(msg: str, **event) -> None:
         print(f"[node {rank} {time.time() - t0:8.2f}s] {msg}", flush=True)
@@ -148,15 +160,20 @@ def node(out: Path, rank: int, lighthouse: str, group_size: int | None, max_rest
         log = open(out / "replicas" / f"node{rank}.log", "a")
         proc = subprocess.Popen(replica_command(out, rank, lighthouse, group_size, cfg.cluster.shard, ranks, rejoin,
                                                 host, min_step_s, tensorboard),
-                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                preexec_fn=die_with_parent)  # (a supervisor SIGKILLed takes its replica along)
         log.close()
+        current[0] = proc
         say(f"started replica {rank} (pid {proc.pid}{', rejoining' if rejoin else ''})", kind="start", rank=rank,
-            rejoin=rejoin, step=committed(out, ranks)[0])
+            why=why, step=committed(out, ranks)[0])
         killed_for, gone_since = None, None
         while (code := proc.poll()) is None:
             if request.exists():
-                killed_for = float(request.read_text() or 0)
+                order = json.loads(request.read_text() or "{}")
+                killed_for = float(order.get("restart_after_s", 0.0))
                 os.killpg(proc.pid, signal.SIGKILL)  # every process of the group: a node lost
+                record(out, node=rank, kind="kill", rank=rank, why=order.get("why", "injector"),
+                       step=committed(out, ranks)[0])  # (the launcher's event names: the merge's recovery timings)
                 proc.wait()
                 request.unlink(missing_ok=True)
                 code = proc.returncode
@@ -173,9 +190,9 @@ def node(out: Path, rank: int, lighthouse: str, group_size: int | None, max_rest
             time.sleep(POLL_S)
         step = committed(out, ranks)[0]
         if killed_for is not None:
-            say(f"replica {rank} killed by the injector at step {step}; restarting in {killed_for:g} s", kind="killed",
-                rank=rank, step=step)
+            say(f"replica {rank} killed by the injector at step {step}; restarting in {killed_for:g} s")
             time.sleep(killed_for)
+            why = "restart after a kill"
         elif code == 0:
             say(f"replica {rank} finished", kind="finished")
             return 0
@@ -184,15 +201,21 @@ def node(out: Path, rank: int, lighthouse: str, group_size: int | None, max_rest
                 code=code)
             return code
         elif code < 0:
-            say(f"replica {rank} died of signal {-code} at step {step}: restarting", kind="died", signal=-code, step=step)
+            say(f"replica {rank} died of signal {-code} at step {step}: restarting", kind="down", rank=rank, code=code,
+                unplanned=True, step=step)
+            why = "restart after a death"
         else:
             crashes += 1
+            record(out, node=rank, kind="down", rank=rank, code=code, unplanned=True, step=step)
             if crashes > max_restarts:
-                say(f"replica {rank} crashed (exit {code}) {crashes} times: the node stops", kind="crashed", code=code)
+                say(f"replica {rank} crashed (exit {code}) {crashes} times: the node stops", kind="crash", rank=rank,
+                    code=code, step=step)
                 return code
             say(f"replica {rank} crashed (exit {code}, crash {crashes} of {max_restarts} allowed): restarting",
-                kind="crashed", code=code, step=step)
-        if all(w == "finished" for r, w in enumerate(committed(out, ranks)[1]) if r != rank):
+                kind="crash", rank=rank, code=code, step=step)
+            why = "restart after a crash"
+        others = [w for r, w in enumerate(committed(out, ranks)[1]) if r != rank]
+        if others and all(w == "finished" for w in others):
             say(f"the run has finished: replica {rank} is not restarted", kind="not_rejoined")
             return 0
         rejoin = True
@@ -212,7 +235,7 @@ def watch(out: Path, kills: list[tuple[int, int, float]], chaos_spec: str | None
     progress, heals = ProgressLine(steps), {}
 
     def fire(n: int, seconds: float, why: str, step: int) -> None:
-        atomic_write_text(kill_request(out, n), f"{seconds:.3f}")
+        atomic_write_text(kill_request(out, n), json.dumps({"restart_after_s": seconds, "why": why}))
         record(out, kind="inject", node=n, why=why, step=step, restart_after_s=seconds)
         print(f"[watch] node {n} killed at step {step} ({why}; restarted after {seconds:.1f} s)", flush=True)
 
@@ -298,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return submit(args, rest)
 
-    return guarded(run, "interrupted")
+    return guarded(run, "interrupted: this node's replica was killed (the same job submitted again continues)")
 
 
 if __name__ == "__main__":
