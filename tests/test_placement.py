@@ -68,3 +68,15 @@ def test_the_gpu_check_keeps_a_torchrun_workers_own_traceback():
     assert error.startswith("Traceback") and error.endswith("no attribute 'set_reduce_scatter_unused_params'")
     assert "ChildFailedError" not in error and "[rank0]" not in error
     assert worker_error("error: 2 processes on this node see 1 GPU(s)\n") == "error: 2 processes on this node see 1 GPU(s)"
+
+
+def test_a_process_given_one_gpu_by_the_launcher_is_its_local_rank_0():
+    """mecefo.launch --group_size 2 on CUDA: process 1 of a group sees one GPU; as LOCAL_RANK 1 it would ask for
+    cuda:1 (an invalid ordinal). The review found it; now it is local rank 0 of 1, and a local rank beyond the
+    visible GPUs is refused in one line."""
+    from mecefo.placement import one_gpu
+
+    env = {"RANK": "1", "LOCAL_RANK": "1"} | one_gpu("5")
+    assert env["CUDA_VISIBLE_DEVICES"] == "5" and local_device(1, env) == 0 and env["RANK"] == "1"
+    with pytest.raises(UsageError, match="LOCAL_RANK=1 but this process sees 1 GPU"):
+        local_device(1, {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "1", "CUDA_VISIBLE_DEVICES": "5"})

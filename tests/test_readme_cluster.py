@@ -24,8 +24,13 @@ FAKE = ROOT / "tests" / "fake_slurm"
 SMALL = {"preset": "nano", "vocab_size": "300", "seq_len": "32", "micro_batch_size": "2", "grad_accum": "1",
          "steps": "40", "warmup_steps": "2", "eval_every": "20", "checkpoint_every": "10", "device": "cpu"}
 C4_SMALL = "--c4_val_tokens 1200 --c4_tokenizer_docs 100 --val_windows 8"
-SCALED = {"--nodes=4": "--nodes=2", "--nodes 4": "--nodes 2", "--gpus_per_node 8": "--gpus_per_node 1",
+SCALED = {"--nodes=4": "--nodes=2", "--nodes 4": "--nodes 2", "--ranks 4": "--ranks 2", "--gpus_per_node 8": "--gpus_per_node 1",
           "--kill 1:200:30": "--kill 1:8:2"}
+# what each line of the block is: run by a test here (RUN), or why not
+RUN = ("srun ", "export ", "FLAGS=", "python -m mecefo.launch --prepare", "MECEFO_INJECT=", "sbatch ",
+       "python -m mecefo.slurm submit", "python -m mecefo.launch --out $RUN --merge")
+NOT_RUN = {"pip install -r requirements.txt": "CI's first step", "huggingface-cli download": "checked, not run (no network)",
+           "tail -f": "a view"}
 
 
 def block() -> list[str]:
@@ -87,6 +92,11 @@ def cluster(tmp_path):
                           MECEFO_NODE_FLAGS="--min_step_s 0.25")
 
 
+def test_every_line_of_the_block_is_run_here_or_says_why_not():
+    for line in block():
+        assert line.startswith(RUN) or line.startswith(tuple(NOT_RUN)), f"the README's Slurm block: {line!r} is not run"
+
+
 def test_the_download_fetches_the_shards_the_runs_tokens_need():
     """The block's download line names the shards of one pass of the run its flags describe (at its 4 nodes)."""
     words = shlex.split(command("huggingface-cli download allenai/c4")[0])
@@ -109,10 +119,15 @@ def test_the_gpu_check_line_runs_on_a_node_and_skips_cleanly_without_cuda(cluste
 
 @pytest.mark.slow
 def test_the_rehearsal_the_run_and_the_submitit_job_run_as_written(cluster, tmp_path):
-    """Step 3: the job with node 1 killed after step 8 and back 2 s later survives it, and equals the local backend
-    replaying its failed steps. Step 4: the run's sbatch line, then the same job through submitit (no --wait: it
-    returns at once) and the merge line once its nodes have finished; a finished run submitted again is reused."""
-    rehearsal, sbatch = command("MECEFO_INJECT=")[0], command("sbatch ")[0]
+    """Step 3: the flags checked and the token cache built before the job. Step 4: the job with node 1 killed after
+    step 8 and back 2 s later survives it, and equals the local backend replaying its failed steps. Step 5: the run's
+    sbatch line, then the same job through submitit (no --wait: it returns at once) and the merge line once its nodes
+    have finished; a finished run submitted again is reused."""
+    prepare, rehearsal, sbatch = (command("python -m mecefo.launch --prepare")[0], command("MECEFO_INJECT=")[0],
+                                  command("sbatch ")[0])
+    r = run(scaled(prepare), cluster)
+    assert r.returncode == 0 and (tmp_path / "runs" / "run" / "config.json").exists(), r.stderr[-2000:]
+    assert len(list((tmp_path / "cache" / "tokens").iterdir())) == 1  # the token cache, built here
     r = run(scaled(rehearsal), cluster)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "[watch] node 1 killed at step" in r.stdout and "merged 2 replicas' records" in r.stdout

@@ -13,6 +13,7 @@ import pytest
 
 from mecefo.errors import UsageError
 from mecefo.launch import main as launch_main
+from mecefo.launch import slurm_events
 from mecefo.slurm import main as slurm_main
 from mecefo.slurm import parse_kill
 from mecefo.timing import PHASES
@@ -68,24 +69,19 @@ def test_a_node_whose_lighthouse_never_answers_stops_with_one_line(tmp_path, cap
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["submitit"])  # (the sbatch script: the README's rehearsal, tests/test_readme_cluster.py)
-def test_the_slurm_job_survives_a_node_killed_and_equals_its_simulated_twin(tmp_path, how):
-    """Two nodes; the injector kills node 1's replica at step 8 (SIGKILL to its process group, as a node lost) and its
-    supervisor restarts it 2 s later with --rejoin: it heals from node 0 and trains again. The merged run has every
-    step once, identical replicas, per-step timing (the quorum and the exchange on every row, the heal in the
-    restarted replica's totals), and node 0's lone steps and the rest equal the local backend on the same failed steps."""
+def test_the_submitit_job_survives_a_node_killed_and_equals_its_simulated_twin(tmp_path):
+    """Two nodes (submitit's local executor); the injector kills node 1's replica at step 8 (SIGKILL to its process
+    group, as a node lost) and its supervisor restarts it 2 s later with --rejoin: it heals from node 0 and trains
+    again. The merged run has every step once, identical replicas, the kill and its recovery timings, per-step timing
+    (the quorum and the exchange on every row, the heal in the restarted replica's totals), and node 0's lone steps
+    and the rest equal the local backend on the same failed steps. (The sbatch script's run: the README's rehearsal,
+    tests/test_readme_cluster.py.)"""
     out, port = tmp_path / "run", free_port()
     args = [*NANO, "--steps", "60", "--eval_every", "30"]
-    if how == "sbatch":
-        env = fake_allocation(2, MECEFO_LIGHTHOUSE_PORT=str(port), MECEFO_INJECT="--kill 1:8:2",
-                              MECEFO_NODE_FLAGS="--min_step_s 0.25")
-        r = subprocess.run(["bash", str(ROOT / "scripts" / "slurm" / "mecefo.sbatch"), str(out), *args], env=env, cwd=ROOT,
-                           capture_output=True, text=True, timeout=300)
-    else:
-        r = python_module("mecefo.slurm", "submit", "--out", str(out), "--nodes", "2", "--cluster", "local", "--wait",
-                          "--port", str(port), "--kill", "1:8:2", "--min_step_s", "0.25", "--", *args)
+    r = python_module("mecefo.slurm", "submit", "--out", str(out), "--nodes", "2", "--cluster", "local", "--wait",
+                      "--port", str(port), "--kill", "1:8:2", "--min_step_s", "0.25", "--", *args)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    events = [json.loads(line) for line in (out / "slurm" / "events.jsonl").read_text().splitlines()]
+    events = slurm_events(out)
     node1 = [e["kind"] for e in events if e.get("node") == 1]
     assert "inject" in node1 and [k for k in node1 if k != "inject"] == ["start", "kill", "start", "finished"]
     assert [e["kind"] for e in events if e.get("node") == 0] == ["start", "finished"]
@@ -108,30 +104,29 @@ def test_the_slurm_job_survives_a_node_killed_and_equals_its_simulated_twin(tmp_
                        f"steps:{out / 'failed_steps.json'}"]) == 0
     for a, b in zip(rows[1:], metrics(twin)[1:], strict=True):
         assert a["down"] == b["down"] and a["loss"] == pytest.approx(b["loss"], rel=1e-5)
-    if how == "sbatch":  # the same job submitted again: the finished run is reused, nothing started
-        r = subprocess.run(["bash", str(ROOT / "scripts" / "slurm" / "mecefo.sbatch"), str(out), *args], env=env, cwd=ROOT,
-                           capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0 and "reused, nothing launched" in r.stdout, r.stderr[-2000:]
 
 
 @pytest.mark.slow
 def test_every_node_dead_ends_the_job_and_the_same_job_submitted_again_continues_from_the_checkpoint(tmp_path):
     """Both nodes killed at step 12: their supervisors restart them, they find no live peer to heal from within
     MECEFO_FT_JOIN_TIMEOUT_S and stop (exit 3), and the job ends with exit 3 and says what to do. The same sbatch
-    command again resumes from the checkpoint of step 10 (the rows after it cut) and completes: every step once,
-    equal to the local backend."""
+    command again, the injection included, resumes from the checkpoint of step 10 (the rows after it cut; each
+    --kill fires once per run: not again) and completes: every step once, equal to the local backend."""
     out, port = tmp_path / "run", free_port()
     args = [*NANO, "--steps", "30", "--eval_every", "15", "--checkpoint_every", "5"]
     job = ["bash", str(FAKE / "sbatch"), "--nodes=2", str(ROOT / "scripts" / "slurm" / "mecefo.sbatch"), str(out), *args]
     env = fake_allocation(2, MECEFO_LIGHTHOUSE_PORT=str(port), MECEFO_NODE_FLAGS="--min_step_s 0.25",
                           MECEFO_FT_JOIN_TIMEOUT_S="6")
-    r = subprocess.run(job, env={**env, "MECEFO_INJECT": "--kill 0:12 --kill 1:12"}, cwd=ROOT, capture_output=True,
-                       text=True, timeout=300)
+    env["MECEFO_INJECT"] = "--kill 0:12 --kill 1:12"
+    r = subprocess.run(job, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 3, r.stdout[-3000:] + r.stderr[-3000:]
     assert "submit the same command again to continue" in r.stderr
     assert not (out / "summary.json").exists()
     r = subprocess.run(job, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.returncode == 0 and "[watch] node" not in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    events = slurm_events(out)
+    assert [e["step"] for e in events if e["kind"] == "resume"] == [10]
+    assert [(e["rank"], e["step"] >= 12) for e in events if e["kind"] == "kill"] in ([(0, True), (1, True)], [(1, True), (0, True)])
     rows = metrics(out)
     assert [row["step"] for row in rows] == list(range(31)) and all(row["down"] == [] for row in rows[1:])
     assert json.loads((out / "summary.json").read_text())["rank_agreement"]["identical"]
@@ -158,7 +153,7 @@ def processes_of(out) -> list[int]:
 def test_a_job_cancelled_leaves_no_process_behind(tmp_path):
     """scancel (SIGTERM to the job's processes) while both nodes train: every node supervisor takes its replica
     group down with it (the replicas run in sessions of their own, so a signal to the job does not reach them), and
-    the watcher and the lighthouse go with the batch script; a later submission continues."""
+    the watcher and the lighthouse (its port free again) go with the batch script."""
     import signal
     import time
 
@@ -178,3 +173,30 @@ def test_a_job_cancelled_leaves_no_process_behind(tmp_path):
     while processes_of(out) and time.time() < deadline:
         time.sleep(0.2)
     assert processes_of(out) == []
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0  # nothing listens on the lighthouse's port
+
+
+def test_the_node_gpus_come_from_slurm_or_the_visible_devices():
+    from mecefo.slurm import node_gpus
+
+    assert node_gpus({"SLURM_GPUS_ON_NODE": "8", "CUDA_VISIBLE_DEVICES": "0,1"}) == 8
+    assert node_gpus({"CUDA_VISIBLE_DEVICES": "2,3,5"}) == 3 and node_gpus({}) == 1
+
+
+@pytest.mark.parametrize("status, written, expected", [(1, 3, 3), (1, 2, 2), (3, None, 3), (0, None, 0)])
+def test_a_replica_groups_own_exit_status_reaches_the_node_through_torchrun(tmp_path, monkeypatch, status, written,
+                                                                             expected):
+    """torchrun exits 1 for any worker's failure: a replica's 2 (bad input) or 3 (cannot go on) is read from
+    OUT/replicas/rank<R>.exit, so that the node stops instead of restarting it as a crash."""
+    import mecefo.slurm as slurm
+    from mecefo.ft import exit_path
+
+    out = tmp_path / "run"
+    assert launch_main([*NANO, "--ranks", "2", "--out", str(out), "--prepare"]) == 0
+    path = exit_path(out, 1)
+    script = (f"echo {written} > {path}; " if written else "") + f"exit {status}"
+    monkeypatch.setattr(slurm, "wait_for_lighthouse", lambda *a: None)
+    monkeypatch.setattr(slurm, "replica_command", lambda *a: ["bash", "-c", script])
+    (out / "replicas" / "rank0.status").write_text("step 3 0\n")  # a live peer: a finished run is not assumed
+    assert slurm.node(out, 1, "http://127.0.0.1:1", None, max_restarts=0) == expected

@@ -45,12 +45,12 @@ import torch
 
 from . import config as config_mod
 from . import liveness
-from .errors import TrainingStopped, UsageError, guarded
+from .errors import BAD_INPUT, CANNOT_GO_ON, TrainingStopped, UsageError, guarded
 from .membership import COMMIT, REDO, STOP, Membership, Quorum, token_data
 from .plan import StepPlan
 from .placement import local_device
 from .processes import die_with_parent, group_store, serve
-from .records import repair_tail
+from .records import atomic_write_text, repair_tail
 from .runfiles import RunFiles, read_config, read_replica_status, write_replica_status
 
 HEAL_DELAY_ENV = "MECEFO_FT_HEAL_DELAY_S"  # tests: hold a process's first healing so that it can be killed then
@@ -691,7 +691,16 @@ def main(argv: list[str] | None = None) -> int:
                 Path(args.tensorboard) if args.tensorboard else None)
         return 0
 
-    return guarded(start, f"rank {args.replica}: interrupted")
+    code = guarded(start, f"rank {args.replica}: interrupted")
+    if code in (BAD_INPUT, CANNOT_GO_ON) and os.environ.get("RANK", "0") == "0":  # for a supervisor that sees only
+        with contextlib.suppress(OSError):  # torchrun's status (1 for any worker's failure): mecefo.slurm's node
+            atomic_write_text(exit_path(out, args.replica), f"{code}\n")
+    return code
+
+
+def exit_path(out: Path, rank: int) -> Path:
+    """OUT/replicas/rank<r>.exit: the status a replica stopped with when it was 2 (bad input) or 3 (cannot go on)."""
+    return out / "replicas" / f"rank{rank}.exit"
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ from . import chaos, failures
 from . import config as config_mod
 from .errors import BAD_INPUT, CANNOT_GO_ON, TrainingStopped, UsageError, guarded
 from .liveness import read_status
-from .placement import launcher_gpus, visible_gpus
+from .placement import launcher_gpus, one_gpu, visible_gpus
 from .progress import ProgressLine
 from .processes import ForkServer, become_subreaper, die_with_parent, group_store
 from .records import atomic_write_json
@@ -252,9 +252,9 @@ class Supervisor:
             + (["--tensorboard", str(self.tensorboard / f"rank{rank}")] if self.tensorboard is not None else [])
         group, forked = [], 0
         for j in range(self.group_size):
-            if self.gpus:  # a GPU of its own (mecefo.placement)
-                env["CUDA_VISIBLE_DEVICES"] = self.gpus[rank][j]
             mine, path = env | {"RANK": str(j), "LOCAL_RANK": str(j)}, self.out / "replicas" / _log_name(rank, j)
+            if self.gpus:  # a GPU of its own (mecefo.placement)
+                mine |= one_gpu(self.gpus[rank][j])
             proc = self.forks.spawn(argv, mine, str(path)) if self.forks is not None else None
             if proc is not None:  # its imports done
                 forked += 1
@@ -779,17 +779,15 @@ def merge_by_hand(out: Path, other_flags) -> int:
 
 
 def slurm_events(out: Path) -> list[dict]:
-    """The node supervisors' starts, kills and deaths (mecefo.slurm, OUT/slurm/events.jsonl), in time order; none
-    for replicas started by hand."""
-    path = out / "slurm" / "events.jsonl"
-    if not path.exists():
-        return []
+    """The Slurm path's events (mecefo.slurm: OUT/slurm/events-<writer>.jsonl: the node supervisors' starts, kills and
+    deaths, the watcher's injections and resumes), in time order; none for replicas started by hand."""
     events = []
-    for line in path.read_text().splitlines():
-        try:
-            events.append(json.loads(line))
-        except ValueError:  # a line torn by a supervisor killed mid-write
-            continue
+    for path in sorted((out / "slurm").glob("events-*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                events.append(json.loads(line))
+            except ValueError:  # a line torn by a writer killed mid-write
+                continue
     return sorted(events, key=lambda e: e["time"])
 
 

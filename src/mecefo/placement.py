@@ -36,13 +36,22 @@ def launcher_gpus(ranks: int, group_size: int, gpus: list[str], environ=os.envir
     return [[gpus[r * group_size + j] for j in range(group_size)] for r in range(ranks)]
 
 
+def one_gpu(gpu: str) -> dict:
+    """The environment of a process its starter gives one GPU (mecefo.launch): that GPU alone visible, and the
+    process local rank 0 of 1 (its group rank stays in RANK)."""
+    return {VISIBLE: gpu, "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+
+
 def local_device(count: int, environ=os.environ) -> int:
     """The CUDA device index of this process: torchrun's LOCAL_RANK among the LOCAL_WORLD_SIZE processes of the node
     (0 for a process started alone, which its starter gave one GPU); refused when the node's processes outnumber
     the GPUs they see."""
     local, processes = int(environ.get("LOCAL_RANK", "0")), int(environ.get("LOCAL_WORLD_SIZE", "1"))
+    shown = f" ({VISIBLE}={environ[VISIBLE]})" if VISIBLE in environ else ""
     if processes > count:
-        shown = f" ({VISIBLE}={environ[VISIBLE]})" if VISIBLE in environ else ""
         raise UsageError(f"{processes} processes on this node (torchrun's --nproc_per_node) see {count} GPU(s){shown}: "
                          "NCCL refuses two ranks of one communicator on one GPU; start at most one process per GPU")
+    if local >= count:
+        raise UsageError(f"LOCAL_RANK={local} but this process sees {count} GPU(s){shown}: give each process its own "
+                         "GPU (one visible: LOCAL_RANK=0), or all of the node's")
     return local

@@ -20,12 +20,13 @@ same job again and it continues from the last checkpoint). Other nodes reach thi
 (MECEFO_FT_HOST, unless set).
 
 `watch` prints the run's progress line (mecefo.progress: step, ranks training, last heal, ETA) every
-MECEFO_PROGRESS_S seconds, and is the failure injector: it kills nodes' replica groups as a node failure would (SIGKILL to every process of the group): at committed
-steps (--kill NODE:STEP[:SECONDS], restarted after SECONDS, default 0) and at random (--chaos SEED[:RATE], RATE
-per minute, a uniformly drawn node among those training, never the last, restarted after U(0, 2) s, until the last
-30% of the steps). A kill is a file OUT/slurm/kill-node<R> that node R's supervisor acts on (the injector needs
-no access to the other nodes, only to the run folder they share); every kill and restart is a line of
-OUT/slurm/events.jsonl.
+MECEFO_PROGRESS_S seconds, and is the failure injector: it kills nodes' replica groups as a node failure would
+(SIGKILL to every process of the group): at committed steps (--kill NODE:STEP[:SECONDS], restarted after SECONDS,
+default 0; each fires once per run, a job submitted again included) and at random (--chaos SEED[:RATE], RATE per
+minute, a uniformly drawn node among those training, never the last, restarted after U(0, 2) s, until the last 30%
+of the steps). A kill is a file OUT/slurm/kill-node<R> that node R's supervisor acts on (the injector needs no
+access to the other nodes, only to the run folder they share). Its injections and resumes are lines of
+OUT/slurm/events-watch.jsonl; each node supervisor's starts, kills and deaths, of events-node<R>.jsonl.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ from .errors import BAD_INPUT, CANNOT_GO_ON, UsageError, guarded
 from .launch import TRAINING
 from .processes import die_with_parent
 from .progress import ProgressLine
-from .records import atomic_write_text
+from .records import atomic_write_text, read_rows
+from .ft import exit_path
 from .runfiles import read_config, read_replica_status
 
 POLL_S = 0.05
@@ -61,10 +63,11 @@ def slurm_dir(out: Path) -> Path:
     return out / "slurm"
 
 
-def record(out: Path, **event) -> None:
-    """One line of OUT/slurm/events.jsonl (appends of one short line: whole on a POSIX file system)."""
+def record(out: Path, who: str, **event) -> None:
+    """One line of OUT/slurm/events-<who>.jsonl: a file per writer (node<R>, watch), as appends from several nodes to
+    one file on a network file system can interleave."""
     slurm_dir(out).mkdir(parents=True, exist_ok=True)
-    with open(slurm_dir(out) / "events.jsonl", "a") as f:
+    with open(slurm_dir(out) / f"events-{who}.jsonl", "a") as f:
         f.write(json.dumps({"time": time.time(), **event}) + "\n")
 
 
@@ -101,6 +104,15 @@ def replica_command(out: Path, rank: int, lighthouse: str, group_size: int, shar
             *(["--tensorboard", str(Path(tensorboard) / f"rank{rank}")] if tensorboard else [])]
 
 
+def node_gpus(environ=os.environ) -> int:
+    """The GPUs Slurm gave this node's task: SLURM_GPUS_ON_NODE, else those CUDA_VISIBLE_DEVICES lists, else 1 (the
+    CPU: one process)."""
+    if environ.get("SLURM_GPUS_ON_NODE", "").isdigit():
+        return max(int(environ["SLURM_GPUS_ON_NODE"]), 1)
+    listed = [g for g in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    return max(len(listed), 1)
+
+
 def lighthouse_command(port: int) -> list[str]:
     from .launch import HEARTBEAT_TIMEOUT_MS, JOIN_TIMEOUT_MS, _lighthouse_binary
 
@@ -130,7 +142,7 @@ def node(out: Path, rank: int, lighthouse: str, group_size: int | None, max_rest
         raise UsageError(f"node {rank}: the run in {out} has {ranks} ranks (cluster.ranks), one per node; "
                          f"this allocation has more nodes")
     if group_size is None:
-        group_size = int(os.environ.get("SLURM_GPUS_ON_NODE") or 1) if cfg.cluster.shard == "fsdp" else 1
+        group_size = node_gpus() if cfg.cluster.shard == "fsdp" else 1
     wait_for_lighthouse(lighthouse)
     host = os.environ.get("MECEFO_FT_HOST") or socket.gethostname()
     env = {**os.environ, "MECEFO_FT_HOST": host}
@@ -154,9 +166,11 @@ def node(out: Path, rank: int, lighthouse: str, group_size: int | None, max_rest
     def say(msg: str, **event) -> None:
         print(f"[node {rank} {time.time() - t0:8.2f}s] {msg}", flush=True)
         if event:
-            record(out, node=rank, **event)
+            record(out, f"node{rank}", node=rank, **event)
 
+    stopped_with = exit_path(out, rank)
     while True:
+        stopped_with.unlink(missing_ok=True)
         log = open(out / "replicas" / f"node{rank}.log", "a")
         proc = subprocess.Popen(replica_command(out, rank, lighthouse, group_size, cfg.cluster.shard, ranks, rejoin,
                                                 host, min_step_s, tensorboard),
@@ -164,7 +178,8 @@ def node(out: Path, rank: int, lighthouse: str, group_size: int | None, max_rest
                                 preexec_fn=die_with_parent)  # (a supervisor SIGKILLed takes its replica along)
         log.close()
         current[0] = proc
-        say(f"started replica {rank} (pid {proc.pid}{', rejoining' if rejoin else ''})", kind="start", rank=rank,
+        say(f"started replica {rank} (pid {proc.pid}, {group_size} process{'es' if group_size > 1 else ''}"
+            f"{', rejoining' if rejoin else ''})", kind="start", rank=rank,
             why=why, step=committed(out, ranks)[0])
         killed_for, gone_since = None, None
         while (code := proc.poll()) is None:
@@ -172,7 +187,7 @@ def node(out: Path, rank: int, lighthouse: str, group_size: int | None, max_rest
                 order = json.loads(request.read_text() or "{}")
                 killed_for = float(order.get("restart_after_s", 0.0))
                 os.killpg(proc.pid, signal.SIGKILL)  # every process of the group: a node lost
-                record(out, node=rank, kind="kill", rank=rank, why=order.get("why", "injector"),
+                record(out, f"node{rank}", node=rank, kind="kill", rank=rank, why=order.get("why", "injector"),
                        step=committed(out, ranks)[0])  # (the launcher's event names: the merge's recovery timings)
                 proc.wait()
                 request.unlink(missing_ok=True)
@@ -189,6 +204,8 @@ def node(out: Path, rank: int, lighthouse: str, group_size: int | None, max_rest
                     return 0
             time.sleep(POLL_S)
         step = committed(out, ranks)[0]
+        if code not in (0, BAD_INPUT, CANNOT_GO_ON) and stopped_with.exists():  # under torchrun: the replica's own
+            code = int(stopped_with.read_text().strip() or code)  # status (torchrun exits 1 for any worker's failure)
         if killed_for is not None:
             say(f"replica {rank} killed by the injector at step {step}; restarting in {killed_for:g} s")
             time.sleep(killed_for)
@@ -206,7 +223,7 @@ def node(out: Path, rank: int, lighthouse: str, group_size: int | None, max_rest
             why = "restart after a death"
         else:
             crashes += 1
-            record(out, node=rank, kind="down", rank=rank, code=code, unplanned=True, step=step)
+            record(out, f"node{rank}", node=rank, kind="down", rank=rank, code=code, unplanned=True, step=step)
             if crashes > max_restarts:
                 say(f"replica {rank} crashed (exit {code}) {crashes} times: the node stops", kind="crash", rank=rank,
                     code=code, step=step)
@@ -229,14 +246,20 @@ def watch(out: Path, kills: list[tuple[int, int, float]], chaos_spec: str | None
         if not 0 <= n < ranks:
             raise UsageError(f"--kill {n}:...: the node must be in 0..{ranks - 1}")
     seed, rate = chaos.parse(chaos_spec) if chaos_spec else (0, 0.0)
-    rng, pending, t0 = random.Random(seed), sorted(kills, key=lambda k: k[1]), time.monotonic()
+    start = resumed_from(out, ranks)  # a job submitted again: each --kill fires once per run, not once per job
+    fired = {(e["node"], e["at"]) for e in _events(out, "watch") if e["kind"] == "inject" and "at" in e}
+    rng, t0 = random.Random(seed), time.monotonic()
+    pending = sorted((k for k in kills if (k[0], k[1]) not in fired), key=lambda k: k[1])
     next_at = t0 + rng.expovariate(rate / 60) if rate else None
     slurm_dir(out).mkdir(parents=True, exist_ok=True)
-    progress, heals = ProgressLine(steps), {}
+    if start:  # (the merge's recovery timings end at a resume: no interval spans two jobs)
+        record(out, "watch", kind="resume", step=start)
+    progress, heals = ProgressLine(steps), {r: _size(out / "replicas" / f"rank{r}.heals.jsonl") for r in range(ranks)}
 
-    def fire(n: int, seconds: float, why: str, step: int) -> None:
+    def fire(n: int, seconds: float, why: str, step: int, at: int | None = None) -> None:
         atomic_write_text(kill_request(out, n), json.dumps({"restart_after_s": seconds, "why": why}))
-        record(out, kind="inject", node=n, why=why, step=step, restart_after_s=seconds)
+        record(out, "watch", kind="inject", node=n, why=why, step=step, restart_after_s=seconds,
+               **({"at": at} if at is not None else {}))
         print(f"[watch] node {n} killed at step {step} ({why}; restarted after {seconds:.1f} s)", flush=True)
 
     while True:
@@ -245,7 +268,7 @@ def watch(out: Path, kills: list[tuple[int, int, float]], chaos_spec: str | None
             return 0
         for r in range(ranks):  # a heal is a line of the replica's heals file (mecefo.ft)
             path = out / "replicas" / f"rank{r}.heals.jsonl"
-            size = path.stat().st_size if path.exists() else 0
+            size = _size(path)
             if size > heals.get(r, 0):
                 last = path.read_text().strip().splitlines()[-1]
                 with contextlib.suppress(ValueError, KeyError):
@@ -257,14 +280,34 @@ def watch(out: Path, kills: list[tuple[int, int, float]], chaos_spec: str | None
         if stop_after_s is not None and time.monotonic() - t0 > stop_after_s:
             return 0
         while pending and step >= pending[0][1]:
-            n, _, seconds = pending.pop(0)
-            fire(n, seconds, "--kill", step)
+            n, at, seconds = pending.pop(0)
+            fire(n, seconds, "--kill", step, at)
         if next_at is not None and time.monotonic() >= next_at:
             next_at = time.monotonic() + rng.expovariate(rate / 60)
             training = [r for r, w in enumerate(words) if w in TRAINING and not kill_request(out, r).exists()]
             if 0 < step < (1 - chaos.QUIET_TAIL) * steps and len(training) > 1:
                 fire(rng.choice(training), rng.uniform(0, chaos.RESTART_S), f"--chaos {chaos_spec}", step)
         time.sleep(POLL_S)
+
+
+def _events(out: Path, who: str) -> list[dict]:
+    path, found = slurm_dir(out) / f"events-{who}.jsonl", []
+    for line in (path.read_text().splitlines() if path.exists() else []):
+        with contextlib.suppress(ValueError):
+            found.append(json.loads(line))
+    return found
+
+
+def _size(path: Path) -> int:
+    return path.stat().st_size if path.exists() else 0
+
+
+def resumed_from(out: Path, ranks: int) -> int:
+    """The step a job continues from: the last row the replicas kept (mecefo.launch --prepare cuts them back to the
+    checkpoint); 0 for a new run."""
+    steps = [row.get("step", 0) for r in range(ranks) if (out / "replicas" / f"rank{r}.jsonl").exists()
+             for row in read_rows(out / "replicas" / f"rank{r}.jsonl")[0]]
+    return max(steps, default=0)
 
 
 def parse_kill(spec: str) -> tuple[int, int, float]:

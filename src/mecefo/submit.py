@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import config as config_mod
-from .errors import UsageError
+from .errors import UsageError, guarded
 
 
 def add_arguments(p) -> None:
@@ -74,7 +74,8 @@ class NodeTask:
                                              *(a for k in self.kills for a in ("--kill", k)),  # progress line, and
                                              *(["--chaos", self.chaos] if self.chaos else [])]))  # the injector
         try:
-            code = slurm.node(out, rank, lighthouse, self.group_size, self.max_restarts, self.min_step_s, self.tensorboard)
+            code = guarded(lambda: slurm.node(out, rank, lighthouse, self.group_size, self.max_restarts, self.min_step_s,
+                                              self.tensorboard), "interrupted")
             if rank == 0:  # keep the lighthouse for the others' last steps
                 cfg = config_mod.build(slurm.read_config(out, "mecefo.launch --prepare"))
                 deadline = time.monotonic() + slurm.RUN_OVER_S * 2
@@ -107,11 +108,10 @@ def submit(args, trainer_flags: list[str]) -> int:
         slurm.parse_kill(k)
     if args.chaos:
         slurm.chaos.parse(args.chaos)
-    fsdp = "fsdp" in trainer_flags
-    code = launch_main(["--out", args.out, "--prepare", "--ranks", str(args.nodes), *trainer_flags,
-                        *(["--group_size", str(args.gpus_per_node)] if fsdp and args.gpus_per_node > 1 else [])])
+    code = launch_main(["--out", args.out, "--prepare", "--ranks", str(args.nodes), *trainer_flags])
     if code != 0:
         return code
+    fsdp = config_mod.build(slurm.read_config(Path(args.out), "mecefo.launch --prepare")).cluster.shard == "fsdp"
     cluster = args.cluster or ("slurm" if shutil.which("sbatch") else "local")
     executor = submitit.AutoExecutor(folder=Path(args.out) / "slurm" / "submitit", cluster=cluster)
     if cluster == "local":  # one machine: each task stands for a node

@@ -10,7 +10,9 @@ to mecefo.launch's --min_step_s). A quorum in which this process healed is count
 
 Each metrics row's "timing" covers the interval since the previous row: a voided step's attempt and the previous
 step's checkpoint write land in the next row (a row is written before its step's checkpoint, so that a resume never
-lacks the row of the step it resumes from). The summary's "timing" holds the totals and their shares of the run's time."""
+lacks the row of the step it resumes from). The summary's "timing" holds the totals and their shares of the run's time.
+On CUDA a phase ends where the host next waits for the GPU (a loss read, a collective's wait): kernels still running
+at a phase's end are counted in the phase that waits for them."""
 
 from __future__ import annotations
 
