@@ -13,7 +13,7 @@ import pytest
 
 from mecefo.errors import UsageError
 from mecefo.launch import main as launch_main
-from mecefo.launch import slurm_events
+from mecefo.slurm import events as slurm_events
 from mecefo.slurm import main as slurm_main
 from mecefo.slurm import parse_kill
 from mecefo.timing import PHASES

@@ -770,25 +770,14 @@ def merge_by_hand(out: Path, other_flags) -> int:
     if other_flags:
         raise UsageError("--merge takes only --out (the run's config is the one in DIR/config.json)")
     cfg = config_mod.build(read_config(out, "mecefo.launch --prepare"))
-    summary = merge(out, cfg, slurm_events(out))
+    from .slurm import events  # (the node supervisors' starts, kills and deaths, where mecefo.slurm ran the replicas)
+
+    summary = merge(out, cfg, events(out))
     t = summary["backend"]["timings"]
     print(f"merged {cfg.cluster.ranks} replicas' records: val loss {summary['final_val_loss']:.4f}; "
           f"{summary['backend']['kills']} kills; kill -> next step {_fmt(t['kill_to_step_s'])} s, restart -> rejoin "
           f"{_fmt(t['restart_to_rejoin_s'])} s -> {out}", flush=True)
     return 0
-
-
-def slurm_events(out: Path) -> list[dict]:
-    """The Slurm path's events (mecefo.slurm: OUT/slurm/events-<writer>.jsonl: the node supervisors' starts, kills and
-    deaths, the watcher's injections and resumes), in time order; none for replicas started by hand."""
-    events = []
-    for path in sorted((out / "slurm").glob("events-*.jsonl")):
-        for line in path.read_text().splitlines():
-            try:
-                events.append(json.loads(line))
-            except ValueError:  # a line torn by a writer killed mid-write
-                continue
-    return sorted(events, key=lambda e: e["time"])
 
 
 def _not_rejoined(missing: list[dict]) -> str:

@@ -30,9 +30,9 @@ def launcher_gpus(ranks: int, group_size: int, gpus: list[str], environ=os.envir
     refused when the node has fewer GPUs than processes (two would share one in a communicator)."""
     need = ranks * group_size
     if need > len(gpus):
-        shown = f" ({VISIBLE}={environ[VISIBLE]})" if VISIBLE in environ else ""
         raise UsageError(f"{ranks} ranks x --group_size {group_size} = {need} processes need as many GPUs on this node, "
-                         f"one each (NCCL refuses two ranks of one communicator on one GPU); it has {len(gpus)}{shown}")
+                         f"one each (NCCL refuses two ranks of one communicator on one GPU); it has {len(gpus)}"
+                         f"{_shown(environ)}")
     return [[gpus[r * group_size + j] for j in range(group_size)] for r in range(ranks)]
 
 
@@ -47,7 +47,7 @@ def local_device(count: int, environ=os.environ) -> int:
     (0 for a process started alone, which its starter gave one GPU); refused when the node's processes outnumber
     the GPUs they see."""
     local, processes = int(environ.get("LOCAL_RANK", "0")), int(environ.get("LOCAL_WORLD_SIZE", "1"))
-    shown = f" ({VISIBLE}={environ[VISIBLE]})" if VISIBLE in environ else ""
+    shown = _shown(environ)
     if processes > count:
         raise UsageError(f"{processes} processes on this node (torchrun's --nproc_per_node) see {count} GPU(s){shown}: "
                          "NCCL refuses two ranks of one communicator on one GPU; start at most one process per GPU")
@@ -55,3 +55,8 @@ def local_device(count: int, environ=os.environ) -> int:
         raise UsageError(f"LOCAL_RANK={local} but this process sees {count} GPU(s){shown}: give each process its own "
                          "GPU (one visible: LOCAL_RANK=0), or all of the node's")
     return local
+
+
+def _shown(environ) -> str:
+    """The inherited CUDA_VISIBLE_DEVICES, for a refusal's line."""
+    return f" ({VISIBLE}={environ[VISIBLE]})" if VISIBLE in environ else ""

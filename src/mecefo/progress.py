@@ -43,13 +43,11 @@ class ProgressLine:
         if now - self.last_printed < self.every_s or self.every_s <= 0:
             return None
         self.last_printed = now
-        (t0, s0), rate = self.samples[0], None
-        if now > t0 and step > s0:
-            rate = (step - s0) / (now - t0)
+        per_min = self.rate_per_min()
         heal = "none" if self.last_heal is None else \
             f"rank {self.last_heal[0]} at step {self.last_heal[1]}, {now - self.last_heal[2]:.0f} s ago"
-        eta = "ETA unknown (no step in the last minute)" if rate is None else \
-            f"{60 * rate:.1f} steps/min, ETA {_duration((self.steps - step) / rate)}"
+        eta = "ETA unknown (no step in the last minute)" if per_min is None else \
+            f"{per_min:.1f} steps/min, ETA {_duration(60 * (self.steps - step) / per_min)}"
         return (f"step {step}/{self.steps} ({100 * step / self.steps:.0f}%), {training}/{ranks} ranks training, "
                 f"last heal: {heal}; {eta}")
 

@@ -247,7 +247,7 @@ def watch(out: Path, kills: list[tuple[int, int, float]], chaos_spec: str | None
             raise UsageError(f"--kill {n}:...: the node must be in 0..{ranks - 1}")
     seed, rate = chaos.parse(chaos_spec) if chaos_spec else (0, 0.0)
     start = resumed_from(out, ranks)  # a job submitted again: each --kill fires once per run, not once per job
-    fired = {(e["node"], e["at"]) for e in _events(out, "watch") if e["kind"] == "inject" and "at" in e}
+    fired = {(e["node"], e["at"]) for e in events(out, "watch") if e["kind"] == "inject" and "at" in e}
     rng, t0 = random.Random(seed), time.monotonic()
     pending = sorted((k for k in kills if (k[0], k[1]) not in fired), key=lambda k: k[1])
     next_at = t0 + rng.expovariate(rate / 60) if rate else None
@@ -290,12 +290,15 @@ def watch(out: Path, kills: list[tuple[int, int, float]], chaos_spec: str | None
         time.sleep(POLL_S)
 
 
-def _events(out: Path, who: str) -> list[dict]:
-    path, found = slurm_dir(out) / f"events-{who}.jsonl", []
-    for line in (path.read_text().splitlines() if path.exists() else []):
-        with contextlib.suppress(ValueError):
-            found.append(json.loads(line))
-    return found
+def events(out: Path, who: str = "*") -> list[dict]:
+    """The events of OUT/slurm/events-<who>.jsonl (who "*": every writer's), in time order; a line torn by a writer
+    killed mid-write is dropped. None for replicas started by hand."""
+    found = []
+    for path in sorted(slurm_dir(out).glob(f"events-{who}.jsonl")):
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                found.append(json.loads(line))
+    return sorted(found, key=lambda e: e["time"])
 
 
 def _size(path: Path) -> int:
