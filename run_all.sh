@@ -43,7 +43,8 @@ step "cluster-scale throughput simulation (the paper's Table 2, its hypotheses, 
 python -m experiments.throughput $quick
 python -m experiments.hypotheses $quick
 python -m experiments.table2 $quick   # the words and derived tables of Table 2, decided from the two above
-step "goodput: quality-equivalent steps x simulated throughput, every policy (failure-free runs of other lengths)"
+step "goodput: quality-equivalent steps x simulated throughput under every reading, every policy (failure-free runs of other lengths, drop at 7B's lost fractions, the null control)"
+python -m experiments.goodput_sim $quick   # spares for every policy, each scaling job's own overhead, the leader map
 python -m experiments.goodput $quick
 
 step "analysis: bias and variance, Assumption 3 along training, the O(1/sqrt(nT)) rate"

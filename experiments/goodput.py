@@ -20,18 +20,20 @@ they are not trained here.
 
 Effective throughput. G = (simulated trained tokens/s under the failures / failure-free tokens/s) x q, the
 share of the failure-free job's progress a policy keeps (an ETTR-style ratio); time to the failure-free
-run's quality is 1/G times the failure-free time. The quality is measured on our CPU model, the
-throughput simulated for the paper's jobs: the combination assumes that q, measured at the same Table 1
-level, carries over from the small model to the paper's. The levels are the same, the failed fractions are
-not quite (the CPU runs start failing after a 100-step failure-free warm start; the simulator is in steady
-state), nor is what a failure costs a policy (drop on 7B's 4 pipeline stages loses a whole replica's samples
-per failed GPU; on the CPU a rank is one GPU): the report says both. The bracketed G is its range over q's
-95% interval over seeds and the throughput's over the simulator's seeds; a policy "leads" a level when the
-low end of its range is above the high end of every other policy's.
+run's quality is 1/G times the failure-free time. The quality is measured on our CPU model, the throughput
+simulated for the paper's jobs: the combination assumes that q at a failed fraction carries over from the small
+model to the paper's. q is read at each job's own fraction: the sweep's runs at the level for every policy, and
+for drop on TRANSFER_JOB (where a failed GPU takes its replica's samples) runs trained here at the fraction of
+samples it loses there (transfer_spec); what carrying the level's q per token or per step over would give
+instead is reported beside it (drop_readings). q's intervals use the seed-to-seed noise pooled over every trained
+cell (pooled_noise, Table 3's model); the null control (NULL_CONTROL, exact, trained at high) must give q = 1
+within its interval. G under every reading of the throughput, the paired comparisons and the verdict:
+experiments.goodput_envelope.
 
 Scale. The simulator's scaling experiment (llama-7b, 4 stages, 32 to 100k GPUs at Llama 3's rate) gives the
-throughput kept; q there is interpolated in the run's failed fraction between failure-free (q = 1) and the
-levels measured (Llama 3's rate fails a smaller fraction than Table 1's low level at every size).
+throughput kept, put on each scaling job's own failure-free overhead (experiments.goodput_sim); q there is
+interpolated per seed in the run's failed fraction between failure-free (q = 1) and the levels measured, held
+(and flagged) beyond the largest. The leader map does the same over goodput_sim's grid.
 """
 
 from __future__ import annotations
@@ -49,13 +51,55 @@ from mecefo.errors import UsageError, guarded
 from mecefo.records import atomic_write_json, git_commit
 from mecefo.results import RESULTS, measurement, profile, quick_flag, read_measurement, run_dir
 from mecefo.simulator import ci95
+from mecefo.stats import block_noise, interval_half_width
 from mecefo.train import run
 
+from . import goodput_envelope as envelope_mod
 from . import sweep
 
 LENGTHS = {"quick": (30, 40, 50), "default": (200, 240, 270)}  # besides the sweep's own length (60, 300)
 LEVELS = ("low", "mid", "high")
 REFERENCE = "mecefo"  # whose failure-free throughput is the job's (no failure: every policy trains alike)
+NULL_CONTROL = "spread"  # exact: trained through the same pipeline, its q must be 1 within its interval
+TRANSFER_JOB = "llama-7b"  # the job whose failed GPU takes its replica's samples under drop (4 pipeline stages)
+
+
+def transfer_spec(level: str, target: float) -> str:
+    """The failure scenario at which drop on the CPU model loses a fraction `target` of its samples, as it does on
+    TRANSFER_JOB at `level`: Table 1's recovery time at that level, arrivals frequent enough that `target` of the
+    ranks are down in steady state (Little's law). On 7B a failed GPU takes its replica of 4 GPUs: a replica fails
+    about 4 times as often as a GPU and stays down as long, which is what the shorter interval does to a rank."""
+    rec = failures.SCENARIOS[level].recovery_h
+    return f"custom:{rec / (failures.REFERENCE_RANKS * round(target, 3)):.6g}:{rec:g}"  # 3 digits: a rerun of the simulation keeps the runs
+
+
+def lost_by_drop(throughput: dict, job: str = TRANSFER_JOB) -> dict[str, float]:
+    """Per level: the share of the job's samples drop loses in the simulation (1 - its throughput kept)."""
+    row = throughput["table2"][job]
+    return {lv: 1 - row[lv]["drop"]["mean"] / row["none"][REFERENCE]["mean"] for lv in LEVELS}
+
+
+def extra_cells(prof: str, throughput: dict) -> list[tuple[str, str, "sweep.Cell"]]:
+    """(cohort, level, cell) of the runs trained for goodput beside the sweep's: drop at TRANSFER_JOB's lost
+    fraction of each level ("transfer"; the sweep's seeds, its high-level seeds at high), and the null control
+    (NULL_CONTROL at high, the high-level seeds)."""
+    d = sweep.DESIGNS[prof]
+    out = [("transfer", lv, sweep.Cell(d.n, transfer_spec(lv, target), "drop", s, tag="transfer"))
+           for lv, target in lost_by_drop(throughput).items() for s in range(d.high_seeds if lv == "high" else d.seeds)]
+    return out + [("null", "high", sweep.Cell(d.n, "high", NULL_CONTROL, s, tag="null")) for s in range(d.high_seeds)]
+
+
+def train_extra(prof: str, throughput: dict) -> list[dict]:
+    """Train (or reuse) extra_cells: one entry per run, as the sweep's index lists its cells."""
+    todo = extra_cells(prof, throughput)
+    out = []
+    for cohort, level, cell in tqdm(todo, desc="goodput's own runs", disable=not sys.stderr.isatty()):
+        cfg = sweep.cell_config(sweep.DESIGNS[prof].base, cell)
+        path = run_dir("goodput", cfg)
+        run(cfg, path, quiet=True)
+        out.append({"cohort": cohort, "level": level, "policy": cell.policy, "seed": cell.seed, "failures": cell.level,
+                    "run": str(path.relative_to(RESULTS))})
+    return out
 
 
 def failure_free_curves(prof: str) -> dict[int, list[dict]]:
@@ -99,48 +143,84 @@ def interval(values: list[float]) -> dict:
     return {"mean": mean, "ci95": [lo, hi], "values": values}
 
 
-def quality(index: dict, curves: dict[int, dict]) -> dict:
-    """Per trained policy and level of the sweep's main cells at its n: S*/S and q (per seed, mean, 95%
-    interval), the failed fraction, whether any S* was extrapolated."""
-    n = index["design"]["n"]
+def run_quality(summary: dict, curve: dict) -> dict:
+    """One run against its seed's failure-free curve: S*/S, q per trained token, its failed fraction, and whether
+    S* lies outside the lengths trained."""
+    s_star = equivalent_steps(curve, summary["final_val_loss"])
+    own = equivalent_steps(curve, curve["full_loss"])  # the seed's failure-free run of the same length
+    return {"steps_fraction": s_star / own, "q": s_star / own * summary["tokens_seen"] / summary["tokens_trained"],
+            "failed_fraction": summary["failure_schedule"]["fraction_failed"],
+            "extrapolated": not min(curve["lengths"]) <= s_star <= max(curve["lengths"])}
+
+
+def quality_of_runs(entries: list[dict], curves: dict[int, dict]) -> dict:
+    """Per policy and level of the entries (policy, level, seed, run): S*/S and q (per seed, mean, 95% interval
+    over seeds), the mean failed fraction, whether any S* was extrapolated."""
     per: dict = {}
-    for cell in index["cells"]:
-        if cell["tag"] != "main" or cell["n"] != n or cell["level"] not in LEVELS or "error" in cell:
-            continue
-        if cell["seed"] not in curves:
-            raise UsageError(f"seed {cell['seed']} of {cell['policy']} at {cell['level']} has no failure-free runs; "
+    for e in entries:
+        if e["seed"] not in curves:
+            raise UsageError(f"seed {e['seed']} of {e['policy']} at {e['level']} has no failure-free runs; "
                              "rerun python -m experiments.sweep for this profile")
-        summary = json.loads((RESULTS / cell["run"] / "summary.json").read_text())
-        curve = curves[cell["seed"]]
-        s_star = equivalent_steps(curve, summary["final_val_loss"])
-        own = equivalent_steps(curve, curve["full_loss"])  # the seed's failure-free run of the same length
-        steps = summary["steps"]
-        entry = per.setdefault((cell["policy"], cell["level"]), {"seeds": [], "steps_fraction": [], "q": [],
-                                                                  "failed_fraction": [], "extrapolated": False})
-        entry["seeds"].append(cell["seed"])
-        entry["steps_fraction"].append(s_star / own)
-        entry["q"].append(s_star / own * summary["tokens_seen"] / summary["tokens_trained"])
-        entry["failed_fraction"].append(summary["failure_schedule"]["fraction_failed"])
-        entry["extrapolated"] |= not min(curve["lengths"]) <= s_star <= max(curve["lengths"])
+        one = run_quality(json.loads((RESULTS / e["run"] / "summary.json").read_text()), curves[e["seed"]])
+        g = per.setdefault((e["policy"], e["level"]), {"seeds": [], "steps_fraction": [], "q": [], "failed_fraction": [],
+                                                       "extrapolated": False})
+        g["seeds"].append(e["seed"])
+        for k in ("steps_fraction", "q", "failed_fraction"):
+            g[k].append(one[k])
+        g["extrapolated"] |= one["extrapolated"]
     out: dict = {}
-    for (policy, level), e in sorted(per.items()):
+    for (policy, level), g in sorted(per.items()):
         out.setdefault(policy, {})[level] = {
-            "seeds": e["seeds"], "steps_fraction": interval(e["steps_fraction"]), "q": interval(e["q"]),
-            "failed_fraction": float(np.mean(e["failed_fraction"])), "extrapolated": e["extrapolated"]}
+            "seeds": g["seeds"], "steps_fraction": interval(g["steps_fraction"]), "q": interval(g["q"]),
+            "failed_fraction": float(np.mean(g["failed_fraction"])), "extrapolated": g["extrapolated"]}
     return out
 
 
-def quality_of(policy: str, level: str, measured: dict) -> dict | None:
-    """q for a registry policy at a level: 1 for an exact one (by construction), the measurement for a
-    trained one, None where none was made."""
+def quality(index: dict, curves: dict[int, dict]) -> dict:
+    """quality_of_runs over the sweep's main cells at its n (Table 1's levels)."""
+    n = index["design"]["n"]
+    return quality_of_runs([c for c in index["cells"] if c["tag"] == "main" and c["n"] == n and c["level"] in LEVELS
+                            and "error" not in c], curves)
+
+
+def pooled_noise(cohorts: dict[str, dict]):
+    """The seed-to-seed noise of q, pooled over every trained (cohort, policy, level) as Table 3 pools
+    perplexities (mecefo.stats.block_noise: a seed is a block; y = 100 ln q); None without residual df."""
+    runs = [((cohort, p, lv), seed, q) for cohort, measured in cohorts.items() for p, levels in measured.items()
+            for lv, m in levels.items() for seed, q in zip(m["seeds"], m["q"]["values"])]
+    try:
+        return block_noise(runs)
+    except ValueError:
+        return None
+
+
+def pooled_interval(m: dict, noise) -> dict:
+    """q's geometric mean over seeds and its 95% interval with the pooled noise (unbounded without it)."""
+    logs = 100 * np.log(m["q"]["values"])
+    if noise is None:
+        return {"mean": float(np.exp(logs.mean() / 100)), "ci95": [-math.inf, math.inf]}
+    half = interval_half_width(noise.sd / math.sqrt(2), len(logs), df=noise.df)  # one configuration: s_e, not sqrt(2) s_e
+    return {"mean": float(np.exp(logs.mean() / 100)), "ci95": [float(np.exp((logs.mean() - half) / 100)),
+                                                              float(np.exp((logs.mean() + half) / 100))]}
+
+
+def quality_of(policy: str, level: str, measured: dict, model: str | None = None, transfer: dict | None = None) -> dict | None:
+    """q for a registry policy at a level of a job: 1 for an exact one (by construction); for drop on TRANSFER_JOB
+    the runs at the samples it loses there (`transfer`); else the sweep's runs at the level; None where none was
+    made. Its interval is the pooled one where the measurement has it."""
     if policies.get(policy).exact:
         return {"mean": 1.0, "ci95": [1.0, 1.0], "by": "construction (exact policy)"}
-    m = measured.get(policy, {}).get(level)
-    return None if m is None else {"mean": m["q"]["mean"], "ci95": m["q"]["ci95"], "by": "measured"}
+    source = transfer if (policy == "drop" and model == TRANSFER_JOB and transfer) else measured
+    m = source.get(policy, {}).get(level)
+    if m is None:
+        return None
+    q = m.get("q_pooled", m["q"])
+    return {"mean": q["mean"], "ci95": q["ci95"], "by": "measured at the job's lost fraction" if source is transfer else "measured",
+            "log_q": {s: float(100 * math.log(v)) for s, v in zip(m["seeds"], m["q"]["values"])}}
 
 
-def effective(throughput: dict, measured: dict) -> dict:
-    """Per job, level and registry policy: throughput kept, q, G and its sensitivity, time to quality."""
+def effective(throughput: dict, measured: dict, transfer: dict | None = None) -> dict:
+    """Per job, level and registry policy under the simulated reading: throughput kept, q, G, time to quality."""
     out = {}
     for model, row in throughput["table2"].items():
         reference = row["none"][REFERENCE]["mean"]
@@ -153,7 +233,7 @@ def effective(throughput: dict, measured: dict) -> dict:
             for policy in simulated:
                 kept = row[level][policy]["mean"] / reference
                 kept_ci = [c / reference for c in row[level][policy]["ci95"]]
-                q = quality_of(policy, level, measured)
+                q = quality_of(policy, level, measured, model, transfer)
                 cell = {"tok_s": row[level][policy]["mean"], "kept": kept, "kept_ci95": kept_ci, "q": q}
                 if q is not None:
                     cell |= {"goodput": kept * q["mean"], "goodput_q_range": [kept * c for c in q["ci95"]],
@@ -165,64 +245,117 @@ def effective(throughput: dict, measured: dict) -> dict:
     return out
 
 
-def leaders(cells: dict) -> dict:
-    """The policy of highest G; the runner-up and how far ahead; `leads`: the low end of its range above the
-    high end of every other policy's (else `tied`: those whose ranges reach the leader's low end). A bound that is
-    missing (one seed: no interval) is unbounded: such a policy ties with the leader, and as the leader it leads
-    nothing (`unbounded` names them)."""
-    ranked = sorted((p for p in cells if "goodput" in cells[p]), key=lambda p: -cells[p]["goodput"])
-    best, second = ranked[0], ranked[1]
+def envelope(throughput: dict, sim: dict, measured: dict, transfer: dict, noise) -> dict:
+    """Per job and level: every reading's throughput kept (goodput_envelope.kept_readings), its compare() of the
+    policies whose q is known, and the verdict over the readings."""
+    from mecefo.results import paper_numbers
 
-    def bounds(p: str) -> tuple[float, float]:
-        lo, hi = cells[p]["goodput_range"]
-        return (lo if math.isfinite(lo) else -math.inf), (hi if math.isfinite(hi) else math.inf)
-
-    tied = [p for p in ranked[1:] if bounds(p)[1] >= bounds(best)[0]]
-    return {"best": best, "second": second, "ahead": cells[best]["goodput"] / cells[second]["goodput"] - 1,
-            "leads": not tied, "tied": tied, "not_measured": [p for p in cells if "goodput" not in cells[p]],
-            "unbounded": [p for p in ranked if not all(map(math.isfinite, cells[p]["goodput_range"]))]}
-
-
-def winners(eff: dict) -> dict:
-    """Per job and level: leaders()."""
-    return {model: {level: leaders(cells) for level, cells in m["levels"].items()} for model, m in eff.items()}
+    rows = paper_numbers()["table2_throughput_tokens_per_s"]["rows"]
+    paper = {m: {"high": {p: rows[m][sys_][2] / 100 for p, sys_ in envelope_mod.PAPER_SYSTEMS.items()}} for m in rows}
+    out = {}
+    for model in throughput["table2"]:
+        out[model] = {}
+        for level in LEVELS:
+            readings = envelope_mod.kept_readings(throughput, sim, model, level, paper)
+            q = {p: quality_of(p, level, measured, model, transfer) for p in readings["simulated"]}
+            known = [p for p in q if q[p] is not None]
+            by = {r: envelope_mod.compare({p: kept[p] | {"log_q": q[p].get("log_q")} for p in known if p in kept}, noise)
+                  for r, kept in readings.items()}
+            out[model][level] = {"readings": readings, "by_reading": by, "verdict": envelope_mod.verdict(by),
+                                 "not_measured": [p for p in q if q[p] is None]}
+    return out
 
 
-def at_scale(throughput: dict, measured: dict, base_cfg) -> dict:
-    """G from 32 to 100k GPUs at the scaling experiment's rate: its throughput kept x q interpolated in the
-    run's failed fraction (the scenario's expected fraction over the steps with failures)."""
+def q_points(policy: str, measured: dict, transfer: dict) -> list[tuple[float, dict]]:
+    """(the runs' failed fraction, seed -> 100 ln q) of every level a policy was trained at (drop: also its runs
+    at TRANSFER_JOB's lost fractions)."""
+    sources = [measured.get(policy, {})] + ([transfer.get(policy, {})] if policy == "drop" else [])
+    return [(m["failed_fraction"], {s: 100 * math.log(v) for s, v in zip(m["seeds"], m["q"]["values"])})
+            for src in sources for m in src.values()]
+
+
+def scale_cells(kept: dict, gpu_fraction: float, warm: float, measured: dict, transfer: dict) -> tuple[dict, dict]:
+    """Cells for compare() where the failed fraction of GPUs is gpu_fraction (steady state): q interpolated at the
+    CPU runs' scale (the steady fraction x `warm`, the share of the run after its warm start; for drop the samples
+    it loses, 1 - its kept), and which policies' q was held beyond the largest measured fraction."""
+    cells, clamped = {}, {}
+    for p, k in kept.items():
+        se = 100 * (k["ci95"][1] - k["ci95"][0]) / (2 * 1.96 * k["mean"]) if all(map(math.isfinite, k["ci95"])) else 0.0
+        if policies.get(p).exact:
+            cells[p] = {"kept": k["mean"], "se": se, "log_q": None}
+            continue
+        points = q_points(p, measured, transfer)
+        if not points:
+            continue
+        x = warm * ((1 - k["mean"] / k.get("own", 1.0)) if p == "drop" else gpu_fraction)
+        log_q, held = envelope_mod.interp_log_q(points, x)
+        cells[p] = {"kept": k["mean"], "se": se, "log_q": log_q, "x": x}
+        if held:
+            clamped[p] = max(pt[0] for pt in points)
+    return cells, clamped
+
+
+def at_scale(throughput: dict, measured: dict, base_cfg, own: dict, noise, transfer: dict | None = None) -> dict:
+    """G from 32 to 100k GPUs at the scaling experiment's rate: its throughput kept, put on the failure-free job's
+    (REFERENCE's) throughput with each policy's failure-free overhead in that scaling job (`own`: size -> policy ->
+    failure-free tok/s; Bamboo's redundancy differs with the job's micro-batches), x q interpolated in the failed
+    fraction; compare() per size."""
     sc = throughput["scaling"]["scenario"]
     scenario = failures.FailureScenario(sc["name"], sc["interval_h"], sc["recovery_h"])
     cc, steps = base_cfg.cluster, base_cfg.train.steps
-    fraction = scenario.expected_failed_fraction() * (steps - cc.failure_free_steps) / steps
-    q = {}
-    for policy in policies.simulator_policies():
-        if policies.get(policy).exact:
-            q[policy] = {"mean": 1.0, "ci95": [1.0, 1.0]}
-        elif policy in measured and all(lv in measured[policy] for lv in LEVELS):
-            points = sorted((measured[policy][lv]["failed_fraction"], measured[policy][lv]["q"]) for lv in LEVELS)
-            xs = [0.0] + [x for x, _ in points]
-            q[policy] = {"mean": float(np.interp(fraction, xs, [1.0] + [v["mean"] for _, v in points])),
-                         "ci95": [float(np.interp(fraction, xs, [1.0] + [v["ci95"][i] for _, v in points])) for i in (0, 1)],
-                         # beyond the largest measured failed fraction np.interp holds the last q: not a measurement
-                         "clamped_at": xs[-1] if fraction > xs[-1] else None}
-    # the scaling experiment's ratios are against each policy's own failure-free run: put them on the failure-free
-    # job's (REFERENCE's) with each policy's failure-free overhead in Table 2's 7B job (e.g. Bamboo's redundancy)
-    own = throughput["table2"]["llama-7b"]["none"]
+    warm = (steps - cc.failure_free_steps) / steps
     sizes = {}
     for gpus, cells in throughput["scaling"]["results"].items():
-        sizes[gpus] = {}
-        for p, c in cells.items():
-            if p not in policies.simulator_policies() or p not in own:
-                continue
-            base = own[p]["mean"] / own[REFERENCE]["mean"]
-            kept, kept_ci = c["retained"] * base, [x * base for x in c["ci95"]]
-            sizes[gpus][p] = {"kept": kept, "kept_ci95": kept_ci, "failure_free_kept": base, "q": q.get(p)}
-            if p in q:
-                sizes[gpus][p] |= {"goodput": kept * q[p]["mean"], "goodput_q_range": [kept * x for x in q[p]["ci95"]],
-                                   "goodput_range": [kept_ci[0] * q[p]["ci95"][0], kept_ci[1] * q[p]["ci95"][1]]}
-        sizes[gpus] = {"policies": sizes[gpus], "leaders": leaders(sizes[gpus])}
-    return {"scenario": sc, "run_failed_fraction": fraction, "q": q, "sizes": sizes}
+        ff = own[gpus]
+        kept = {p: {"mean": c["retained"] * ff[p] / ff[REFERENCE], "ci95": [x * ff[p] / ff[REFERENCE] for x in c["ci95"]],
+                    "failure_free_kept": ff[p] / ff[REFERENCE], "own": ff[p] / ff[REFERENCE]}
+                for p, c in cells.items() if p in policies.simulator_policies() and p in ff}
+        compared, clamped = scale_cells(kept, scenario.expected_failed_fraction(), warm, measured, transfer or {})
+        sizes[gpus] = {"policies": {p: kept[p] | {"goodput": envelope_mod.goodput_of(compared[p])} if p in compared else kept[p]
+                                    for p in kept}, "leaders": envelope_mod.compare(compared, noise), "clamped": clamped}
+    gaps = [abs(1 - c["goodput"] / c["mean"]) for s in sizes.values() for c in s["policies"].values() if "goodput" in c]
+    return {"scenario": sc, "run_failed_fraction": scenario.expected_failed_fraction() * warm, "sizes": sizes,
+            "max_q_gap": max(gaps, default=0.0)}
+
+
+def leader_map(sim: dict, measured: dict, base_cfg, noise, transfer: dict) -> list[dict]:
+    """Per point of goodput_sim's map (GPUs x GPU MTBF x recovery): compare() of every policy whose q is known
+    (simulated reading), its leader and margin, and the policies whose q was held beyond the measured fractions."""
+    warm = (base_cfg.train.steps - base_cfg.cluster.failure_free_steps) / base_cfg.train.steps
+    out = []
+    for pt in sim["map"]:
+        kept = {p: v | {"own": 1.0} for p, v in pt["kept"].items() if p in policies.simulator_policies()}
+        cells, clamped = scale_cells(kept, pt["failed_fraction"], warm, measured, transfer)
+        c = envelope_mod.compare(cells, noise)
+        second = c["second"]
+        out.append({k: pt[k] for k in ("gpus", "gpu_mtbf_h", "recovery_h", "failed_fraction")}
+                   | {"best": c["best"], "leads": c["leads"], "tied": c["tied"], "goodput": c["goodput"],
+                      "margin": c["margin"].get(second), "clamped": clamped})
+    return out
+
+
+def drop_readings(throughput: dict, measured: dict, transfer: dict) -> dict:
+    """Per level, drop's G on TRANSFER_JOB three ways: measured (q from the runs at the samples it loses there), and
+    the two transfers the measurement replaces: q per trained token from the level's runs (per token), and the
+    failure-free steps a step is worth from them x the share of the failure-free step rate kept (per step)."""
+    row, lost = throughput["table2"][TRANSFER_JOB], lost_by_drop(throughput)
+    ref = row["none"][REFERENCE]["mean"]
+
+    def stepping(level: str) -> float:
+        b = row[level]["drop"]["breakdown_share"]
+        return 1 - b["pause"] - b["lost_work"]
+
+    out = {}
+    for lv in LEVELS:
+        kept, m, t = row[lv]["drop"]["mean"] / ref, measured.get("drop", {}).get(lv), transfer.get("drop", {}).get(lv)
+        out[lv] = {"lost_simulated": lost[lv], "spec": transfer_spec(lv, lost[lv]), "kept": kept,
+                   "steps_kept": stepping(lv) / stepping("none"),
+                   "cpu_failed_fraction": None if t is None else t["failed_fraction"],
+                   "measured": None if t is None else kept * t["q_pooled"]["mean"],
+                   "measured_range": None if t is None else [kept * c for c in t["q_pooled"]["ci95"]],
+                   "per_token": None if m is None else kept * m["q_pooled"]["mean"],
+                   "per_step": None if m is None else stepping(lv) / stepping("none") * m["steps_fraction"]["mean"]}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,29 +366,49 @@ def main(argv: list[str] | None = None) -> int:
     if index is None:
         raise UsageError(f"no results/sweep/index-{prof}.json; run python -m experiments.sweep{' --quick' if quick else ''} first")
     throughput = read_measurement("throughput", "throughput", quick, "experiments.throughput")
+    sim = read_measurement("throughput", "goodput_sim", quick, "experiments.goodput_sim")
     points = failure_free_curves(prof)
     curves = {seed: fit(p) | {"points": p, "full_loss": p[-1]["val_loss"]} for seed, p in points.items()}
     measured = quality(index, curves)
-    eff = effective(throughput, measured)
+    extra = train_extra(prof, throughput)
+    transfer = quality_of_runs([e for e in extra if e["cohort"] == "transfer"], curves)
+    null = quality_of_runs([e for e in extra if e["cohort"] == "null"], curves)
+    noise = pooled_noise({"sweep": measured, "transfer": transfer, "null": null})
+    for cohort in (measured, transfer, null):
+        for levels in cohort.values():
+            for m in levels.values():
+                m["q_pooled"] = pooled_interval(m, noise)
+    null_control = {p: {lv: m["q_pooled"] | {"holds": m["q_pooled"]["ci95"][0] <= 1 <= m["q_pooled"]["ci95"][1],
+                                             "seeds": m["seeds"], "steps_fraction": m["steps_fraction"],
+                                             "failed_fraction": m["failed_fraction"]}
+                        for lv, m in levels.items()} for p, levels in null.items()}
+    eff = effective(throughput, measured, transfer)
     d = sweep.DESIGNS[prof]
     base_cfg = sweep.cell_config(d.base, sweep.Cell(d.n, "none", "none", 0))
     compared = {lv: {"cpu_failed_fraction": float(np.mean([measured[p][lv]["failed_fraction"] for p in measured if lv in measured[p]])),
                      "simulated_failed_fraction": failures.SCENARIOS[lv].expected_failed_fraction(),
                      "drop_samples_lost_cpu": 1 - measured["drop"][lv]["steps_fraction"]["mean"] / measured["drop"][lv]["q"]["mean"]
                      if lv in measured.get("drop", {}) else None,
-                     "drop_samples_lost_7b": 1 - eff["llama-7b"]["levels"][lv]["drop"]["kept"] if "drop" in eff["llama-7b"]["levels"][lv] else None}
+                     "drop_samples_lost_7b": lost_by_drop(throughput)[lv]}
                 for lv in LEVELS}
     result = {"profile": prof, "n": d.n, "curves": {str(k): v for k, v in curves.items()}, "quality": measured,
-              "comparability": compared,
-              "effective": eff, "winners": winners(eff), "scale": at_scale(throughput, measured, base_cfg),
-              "throughput_sources_digest": throughput["sources_digest"], "sweep_git_commit": index["git_commit"],
-              "git_commit": git_commit()}
+              "transfer": transfer, "transfer_runs": extra, "null_control": null_control,
+              "noise": None if noise is None else {"sd": noise.sd, "df": noise.df, "runs": noise.runs},
+              "comparability": compared, "drop_readings": drop_readings(throughput, measured, transfer),
+              "effective": eff, "envelope": envelope(throughput, sim, measured, transfer, noise),
+              "scale": at_scale(throughput, measured, base_cfg, sim["own_failure_free"], noise, transfer),
+              "map": leader_map(sim, measured, base_cfg, noise, transfer), "map_grid": sim["map_grid"],
+              "throughput_sources_digest": throughput["sources_digest"], "goodput_sim_digest": sim["sources_digest"],
+              "sweep_git_commit": index["git_commit"], "git_commit": git_commit()}
     path = measurement("goodput", "goodput", quick)
     atomic_write_json(path, result)
-    for model, levels in result["winners"].items():
-        print(model + ": " + "; ".join(f"{lv} {w['best']} (+{100 * w['ahead']:.1f}% over {w['second']}"
-                                       f"{'' if w['leads'] else ', tied with ' + ', '.join(w['tied'])})"
-                                       for lv, w in levels.items()))  # noqa: E501
+    for model, levels in result["envelope"].items():
+        print(model + ": " + "; ".join(f"{lv} " + (f"{e['verdict']['leader']} leads under every reading" if e["verdict"]["leader"]
+                                                   else " | ".join(f"{o} ({', '.join(r)})" for o, r in e["verdict"]["outcomes"].items()))
+                                       for lv, e in levels.items()))
+    for p, levels in null_control.items():
+        print(f"null control {p}: " + ", ".join(f"{lv} q {v['mean']:.4f} [{v['ci95'][0]:.4f}, {v['ci95'][1]:.4f}] "
+                                                f"{'holds' if v['holds'] else 'FAILS'}" for lv, v in levels.items()))
     print(f"-> {path}")
     return 0
 

@@ -14,6 +14,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from experiments.goodput import LEVELS
+from experiments.goodput_envelope import READINGS
 from experiments.table2 import in_order
 from mecefo.errors import guarded
 from mecefo.results import quick_flag, read_measurement
@@ -113,51 +114,150 @@ def table(result: dict) -> list[str]:
 
 
 def quality_table(result: dict) -> list[str]:
-    lines = ["| policy | level | failure-free steps worth (S*/S) [95%] | q per trained token [95%] | seeds | failed fraction |",
-             "|---|---|---|---|---|---|"]
-    for p, levels in result["quality"].items():
-        for level, v in ((lv, levels[lv]) for lv in LEVELS if lv in levels):
-            sf, q = v["steps_fraction"], v["q"]
-            ci = (lambda r: f"[{r[0]:.3f}, {r[1]:.3f}]" if np.isfinite(r[0]) else "(one seed)")
-            lines.append(f"| `{p}` | {level} | {sf['mean']:.3f} {ci(sf['ci95'])}{' (extrapolated)' if v['extrapolated'] else ''} | "
-                         f"{q['mean']:.3f} {ci(q['ci95'])} | {len(v['seeds'])} | {100 * v['failed_fraction']:.1f}% |")
+    lines = ["| runs | policy | level | failure-free steps worth (S*/S) [95% over seeds] | q per trained token [pooled 95%] | seeds | failed fraction of rank-steps |",
+             "|---|---|---|---|---|---|---|"]
+    cohorts = (("the level's", result["quality"]), ("at 7B's lost fraction", result.get("transfer", {})),
+               ("null control", {p: {lv: result["null_control"][p][lv] | {"q_pooled": result["null_control"][p][lv]}
+                                     for lv in levels} for p, levels in result.get("null_control", {}).items()}))
+    ci = (lambda r: f"[{r[0]:.3f}, {r[1]:.3f}]" if np.isfinite(r[0]) else "(unbounded)")
+    for name, measured in cohorts:
+        for p, levels in measured.items():
+            for level, v in ((lv, levels[lv]) for lv in LEVELS if lv in levels):
+                q = v.get("q_pooled", v.get("q"))
+                sf = v.get("steps_fraction")
+                sf_text = "" if sf is None else f"{sf['mean']:.3f} {ci(sf['ci95'])}{' (extrapolated)' if v.get('extrapolated') else ''}"
+                frac = "" if "failed_fraction" not in v else f"{100 * v['failed_fraction']:.1f}%"
+                lines.append(f"| {name} | `{p}` | {level} | {sf_text} | {q['mean']:.3f} {ci(q['ci95'])} | {len(v['seeds'])} | {frac} |")
     return lines
 
 
+def _who(ps) -> str:
+    return ", ".join(f"`{p}`" for p in ps)
+
+
+def _and(words: list[str]) -> str:
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+
+
+def job_sentence(model: str, levels: dict) -> str:
+    """One sentence for a job: the levels where one policy leads under every reading, grouped by policy; elsewhere
+    what each reading gives (so the readings that decide it are named)."""
+    robust: dict[str, list[str]] = {}
+    open_: list[str] = []
+    for level in LEVELS:
+        v = levels[level]["verdict"]
+        if v["leader"]:
+            robust.setdefault(v["leader"], []).append(level)
+            continue
+        said = [(f"`{o}` under " if not o.startswith("tied") else f"no lead ({_who(o[len('tied: '):].split(', '))} tied) under ")
+                + ", ".join(r) for o, r in v["outcomes"].items()]
+        open_.append(f"at {level} the reading decides: " + "; ".join(said))
+    parts = [f"`{p}` leads at {_and(lv)} under every reading" for p, lv in robust.items()] + open_
+    return f"**{model}**: " + "; ".join(parts) + "."
+
+
 def answer(result: dict) -> str:
-    """One paragraph: per job and level, the policy of highest goodput, by how much, and whether its lead
-    survives q's interval."""
-    parts, mine = [], []
-    for model, levels in in_order(result["winners"]).items():
-        said = []
+    """The README's answer: one sentence per job (job_sentence)."""
+    readings = sorted({r for levels in result["envelope"].values() for e in levels.values() for r in e["by_reading"]},
+                      key=list(READINGS).index)
+    return ("Which policy reaches the failure-free run's quality first (highest goodput G = throughput kept x q; \"leads\": "
+            "its paired difference with every other policy is above 0 at 95%, under every reading of the throughput: "
+            + ", ".join(readings) + " (paper: high only)): "
+            + " ".join(job_sentence(m, levels) for m, levels in in_order(result["envelope"]).items()))
+
+
+def _margin(c: dict) -> str:
+    if c["second"] is None:
+        return f"`{c['best']}`"
+    m = c["margin"][c["second"]]
+    d = f"{percent_of(m['d']):+.1f}% [{percent_of(m['lo']):+.1f}, {percent_of(m['hi']):+.1f}]" if np.isfinite(m["lo"]) else "unbounded"
+    return (f"`{c['best']}` {d} over `{c['second']}`" if c["leads"]
+            else f"tied: `{c['best']}` ({d} over `{c['second']}`), " + _who(c["tied"][1:] if c["tied"][:1] == [c["second"]] else c["tied"]))
+
+
+def percent_of(points: float) -> float:
+    """log points as percent (mecefo.stats.percent, for a float)."""
+    return float(100 * np.expm1(points / 100))
+
+
+def envelope_table(result: dict) -> list[str]:
+    readings = [r for r in READINGS if any(r in e["by_reading"] for lv in result["envelope"].values() for e in lv.values())]
+    lines = ["| job | level | " + " | ".join(readings) + " | verdict |", "|---|---|" + "---|" * (len(readings) + 1)]
+    for model, levels in in_order(result["envelope"]).items():
         for level in LEVELS:
-            w, g = levels[level], result["effective"][model]["levels"][level]
-            said.append(f"{level}: `{w['best']}`, G {_pct(g[w['best']]['goodput'])} {_range(g[w['best']]['goodput_range'])}, "
-                        f"{100 * w['ahead']:+.1f}% over `{w['second']}`"
-                        + (" (leads)" if w["leads"] else f" (tied with {', '.join(f'`{t}`' for t in w['tied'])})"))
-        parts.append(f"**{model}**: " + "; ".join(said))
-        high = result["effective"][model]["levels"]["high"]
-        ranked = sorted((p for p in high if "goodput" in high[p]), key=lambda p: -high[p]["goodput"])
-        mine.append(f"{model} G {_pct(high['mecefo']['goodput'])} (throughput kept {_pct(high['mecefo']['kept'])}, "
-                    f"q {high['mecefo']['q']['mean']:.3f}; rank {ranked.index('mecefo') + 1} of {len(ranked)})")
-    return ("Which policy reaches the failure-free run's quality first (highest goodput G, with its range over q's and the "
-            "throughput's intervals; time to that quality is 1/G times the failure-free time; \"leads\": the low end of its "
-            "range is above the high end of every other policy's, else the policies whose ranges reach it are named): " + ". ".join(parts) + ". MeCeFO at high: " + "; ".join(mine) + ".")
+            e = levels[level]
+            cells = [_margin(e["by_reading"][r]) if r in e["by_reading"] else "" for r in readings]
+            v = e["verdict"]
+            lines.append(f"| {model} | {level} | " + " | ".join(cells) + " | "
+                         + (f"`{v['leader']}` leads" if v["leader"] else "depends on the reading") + " |")
+    return lines
+
+
+def drop_paragraph(result: dict) -> str:
+    r = result["drop_readings"]
+    said = []
+    for lv in LEVELS:
+        x = r[lv]
+        if x["measured"] is None:
+            continue
+        said.append(f"{lv}: 7B's drop loses {100 * x['lost_simulated']:.1f}% of its samples; trained at that fraction "
+                    f"(CPU runs {100 * x['cpu_failed_fraction']:.1f}% of rank-steps over the whole run, the warm start "
+                    f"included) its G is {_pct(x['measured'])} {_range(x['measured_range'])}, where carrying the level's q per "
+                    f"trained token over gave {_pct(x['per_token'])} and carrying its steps' worth over gave {_pct(x['per_step'])}")
+    return ("`drop` on llama-7b, measured instead of assumed (a failed GPU takes its replica's samples, so drop loses "
+            "about 4 times the failed fraction of GPUs): " + "; ".join(said) + ".")
+
+
+def null_paragraph(result: dict) -> str:
+    said = [f"`{p}` at {lv}: q {v['mean']:.4f} [{v['ci95'][0]:.4f}, {v['ci95'][1]:.4f}] over {len(v['seeds'])} seeds, "
+            + ("1 within its interval" if v["holds"] else "**1 outside its interval: the pipeline is biased**")
+            for p, levels in result["null_control"].items() for lv, v in levels.items()]
+    noise = result["noise"]
+    return ("Null control: an exact policy trained through the same pipeline must give q = 1. " + "; ".join(said)
+            + (f". Intervals of q use the noise pooled over every trained cell (sd of a paired difference "
+               f"{noise['sd']:.2f} log points, {noise['df']} df, {noise['runs']} runs)." if noise else "."))
 
 
 def scale_answer(scale: dict) -> str:
-    """Per size: the policy of highest goodput at Llama 3's rate, and MeCeFO's."""
+    """Per size: the policy of highest goodput at Llama 3's rate, whether it leads, and MeCeFO's."""
     said = []
     for size in sorted(scale["sizes"], key=int):
         cells, w = scale["sizes"][size]["policies"], scale["sizes"][size]["leaders"]
         said.append(f"{int(size):,}: `{w['best']}` {_pct(cells[w['best']]['goodput'])}"
-                    + ("" if w["leads"] else f" (tied with {', '.join(f'`{t}`' for t in w['tied'])})")
+                    + (" (leads)" if w["leads"] else f" (tied with {_who(w['tied'])})")
                     + f", `mecefo` {_pct(cells['mecefo']['goodput'])}")
-    clamped = {p: q["clamped_at"] for p, q in scale["q"].items() if q.get("clamped_at") is not None}
-    held = ("" if not clamped else f" The run's failed fraction, {100 * scale['run_failed_fraction']:.1f}%, is beyond "
-            "the largest measured for " + ", ".join(f"`{p}` ({100 * f:.1f}%)" for p, f in clamped.items())
-            + ": their q is held at that fraction's, so their G here is not a measurement.")
+    clamped = {p: f for s in scale["sizes"].values() for p, f in s["clamped"].items()}
+    held = ("" if not clamped else " Beyond the largest failed fraction measured for " + ", ".join(
+        f"`{p}` ({100 * f:.1f}%)" for p, f in clamped.items()) + " q is held at that fraction's: there G is not a measurement.")
     return "Highest goodput at each size: " + "; ".join(said) + "." + held
+
+
+def map_figure(result: dict):
+    """Per recovery time: the leader over GPUs x a GPU's MTBF, its margin over the runner-up (hatched: tied)."""
+    pts, grid = result["map"], result["map_grid"]
+    recs = grid["recovery_h"]
+    fig, axes = plt.subplots(1, len(recs), figsize=(4.6 * len(recs), 4.2), squeeze=False)
+    names = sorted({p["best"] for p in pts})
+    cycle = plt.get_cmap("tab10").colors
+    colors = {p: cycle[i % len(cycle)] for i, p in enumerate(names)}
+    gpus, mtbf = list(grid["gpus"]), list(grid["gpu_mtbf_h"])
+    for ax, rec in zip(axes[0], recs):
+        for p in (p for p in pts if p["recovery_h"] == rec):
+            i, j = gpus.index(p["gpus"]), mtbf.index(p["gpu_mtbf_h"])
+            ax.add_patch(plt.Rectangle((i - 0.5, j - 0.5), 1, 1, color=colors[p["best"]], alpha=0.8 if p["leads"] else 0.35,
+                                       hatch=None if p["leads"] else "//", lw=0))
+            m = p["margin"]
+            text = "" if m is None or not np.isfinite(m["lo"]) else f"{percent_of(m['d']):+.1f}%"
+            ax.text(i, j, f"{p['best']}\n{text}" + ("\n(tied)" if not p["leads"] else "") + ("*" if p["clamped"] else ""),
+                    ha="center", va="center", fontsize=6.5)
+        ax.set(xlim=(-0.5, len(gpus) - 0.5), ylim=(-0.5, len(mtbf) - 0.5), xticks=range(len(gpus)), yticks=range(len(mtbf)),
+               xticklabels=[f"{g:,}" for g in gpus], yticklabels=[f"{m:,.0f}" for m in mtbf], xlabel="GPUs",
+               title=f"failed GPU down {rec:g} h")
+    axes[0][0].set_ylabel("a GPU's mean time between failures, h")
+    fig.suptitle("Highest goodput (simulated 7B job, weak scaling; margin over the runner-up; hatched: not ahead at 95%; "
+                 "*: q held beyond the measured fractions)", fontsize=9)
+    fig.tight_layout()
+    return fig
 
 
 def report(result: dict) -> tuple[str, str]:
@@ -170,27 +270,29 @@ def report(result: dict) -> tuple[str, str]:
     intro = (f"Quality from the sweep's runs at n = {result['n']} ({result['profile']} profile) against failure-free runs of "
              f"{', '.join(str(x) for x in next(iter(result['curves'].values()))['lengths'])} steps per seed (fit L = a + b ln S, "
              f"largest residual {max(c['max_residual'] for c in result['curves'].values()):.4f}); throughput simulated for "
-             "the paper's jobs (Table 2's runs). q is quality per trained token (q > 1: fewer tokens, each worth more, as "
-             "for `drop`, whose lost tokens the throughput already counts); exact policies have q = 1 by construction. "
-             "The combination assumes that q measured on our CPU model at a failure level carries over to the paper's jobs "
-             "at the same level.")
+             "the paper's jobs (Table 2's runs and `experiments.goodput_sim`). q is quality per trained token (q > 1: fewer "
+             "tokens, each worth more, as for `drop`, whose lost tokens the throughput already counts); exact policies have "
+             "q = 1 by construction. q is measured at each job's failed fraction: the level's runs, and for `drop` on "
+             "llama-7b runs at the fraction of samples it loses there.")
     c = result["comparability"]
     caveat = ("What the combination cannot match: the failed fractions of rank-steps, on the CPU (after the 100-step warm start) "
               + ", ".join(f"{lv} {100 * c[lv]['cpu_failed_fraction']:.1f}%" for lv in LEVELS) + ", in the simulator (steady state) "
-              + ", ".join(f"{lv} {100 * c[lv]['simulated_failed_fraction']:.1f}%" for lv in LEVELS)
-              + "; and the samples `drop` loses, on the CPU (a rank is one GPU) "
-              + ", ".join(f"{lv} {100 * c[lv]['drop_samples_lost_cpu']:.1f}%" for lv in LEVELS if c[lv]["drop_samples_lost_cpu"] is not None)
-              + ", on 7B's 4 pipeline stages (a failed GPU takes its replica) "
-              + ", ".join(f"{lv} {100 * c[lv]['drop_samples_lost_7b']:.1f}%" for lv in LEVELS if c[lv]["drop_samples_lost_7b"] is not None)
-              + ": q per trained token is assumed to hold where many more samples are dropped.")
+              + ", ".join(f"{lv} {100 * c[lv]['simulated_failed_fraction']:.1f}%" for lv in LEVELS) + ".")
     section = "\n".join([
-        intro, "", caveat, "", answer(result), "", *quality_table(result), "", *table(result), "",
+        intro, "", caveat, "", answer(result), "", *envelope_table(result), "", drop_paragraph(result), "",
+        null_paragraph(result), "", *quality_table(result), "",
+        "The simulated reading in full (the throughput's 95% interval; G's range over q's pooled interval):", "",
+        *table(result), "",
         f"At Llama 3's rate ({scale['scenario']['interval_h']:g} h between failures per 32 GPUs, {scale['scenario']['recovery_h']:g} h "
         f"down) a run fails {100 * scale['run_failed_fraction']:.4f}% of its rank-steps: q is 1 within "
-        f"{max(abs(1 - v['mean']) for v in scale['q'].values()):.1e} for every policy, so goodput at scale is the throughput kept "
-        "(the scaling experiment's 7B job, against the failure-free job's throughput: each policy's own failure-free overhead, "
-        "e.g. Bamboo's redundant computation, taken from Table 2's 7B job):",
-        "", *head, "", scale_answer(scale), "", "![goodput frontier](docs/figures/goodput_frontier.png)", "![goodput against the failure rate](docs/figures/goodput_rate.png)"])
+        f"{scale['max_q_gap']:.1e} for every policy, so goodput at scale is the throughput kept (the scaling experiment's 7B "
+        "job, against the failure-free job's throughput: each policy's own failure-free overhead, e.g. Bamboo's redundant "
+        "computation, taken from the same scaling job):",
+        "", *head, "", scale_answer(scale), "",
+        "Where the leader changes, over GPUs, a GPU's mean time between failures and how long a failed GPU stays down "
+        "(the same 7B job, simulated reading):", "",
+        "![goodput frontier](docs/figures/goodput_frontier.png)", "![goodput against the failure rate](docs/figures/goodput_rate.png)",
+        "![where the leader changes](docs/figures/goodput_map.png)"])
     return "# Goodput\n\n" + section + "\n", section
 
 
@@ -202,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     paths = [write_table("goodput", doc)]
     paths += save_figure(frontier_figure(result), "goodput_frontier", committed=not quick)
     paths += save_figure(rate_figure(result), "goodput_rate", committed=not quick)
+    paths += save_figure(map_figure(result), "goodput_map", committed=not quick)
     if not quick:
         paths.append(update_readme("goodput", section))
     for p in paths:

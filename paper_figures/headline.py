@@ -80,6 +80,18 @@ def throughput(t2: dict | None, hyp: dict | None) -> list[str]:
     return lines
 
 
+def goodput(result: dict | None) -> str:
+    """Which policy a cluster should run: one sentence per job (paper_figures.goodput.job_sentence)."""
+    if result is None:
+        return "- **Which policy a cluster should run (goodput):** no results/goodput/goodput-*.json yet (`python -m experiments.goodput`)."
+    from .goodput import job_sentence  # matplotlib only when there is a result to render
+
+    return ("- **Which policy reaches failure-free quality first (goodput = throughput kept x quality per token, not in the "
+            "paper; a policy \"leads\" only if it is ahead at 95% under every reading of the throughput, else the deciding "
+            "readings are named; Results: goodput):** "
+            + " ".join(job_sentence(m, levels) for m, levels in in_order(result["envelope"]).items()))
+
+
 def theory(grad: dict | None, rate: dict | None) -> list[str]:
     lines = []
     if grad is not None and grad.get("max_relative_error") is not None:
@@ -193,6 +205,7 @@ def headline(quick: bool) -> str:
     t3 = _read(RESULTS / "sweep" / f"table3-{profile}.json")
     lines = [quality(t3), *throughput(_read(measurement("throughput", "table2", quick)),
                                       _read(measurement("throughput", "hypotheses", quick))),
+             goodput(_read(measurement("goodput", "goodput", quick))),
              *theory(_read(measurement("analysis", "grad_error", quick)), _read(measurement("analysis", "rate", quick))),
              gpu(gpu_records())]
     return "\n".join(lines) + "\n"

@@ -11,6 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from experiments import goodput
+from experiments import goodput_envelope as envelope
+from mecefo.stats import Noise
 from mecefo import policies
 from tests.test_policy_registry import NAME, example  # noqa: F401  (the fixture)
 
@@ -70,7 +72,8 @@ def _throughput(names, levels=("low", "mid", "high")):
 
 
 def _measured(names, value=0.9):
-    return {p: {lv: {"q": {"mean": value, "ci95": [value - 0.05, value + 0.05]}, "failed_fraction": f}
+    return {p: {lv: {"q": {"mean": value, "ci95": [value - 0.05, value + 0.05], "values": [value, value]}, "seeds": [0, 1],
+                     "failed_fraction": f}
                 for lv, f in zip(("low", "mid", "high"), (0.02, 0.05, 0.1))} for p in names}
 
 
@@ -84,11 +87,24 @@ def test_exact_policies_are_worth_every_step_and_unmeasured_ones_are_said_so():
     assert high["mecefo"]["goodput"] == pytest.approx(high["mecefo"]["kept"] * 0.9)
     assert high["mecefo"]["time_to_quality"] == pytest.approx(1 / high["mecefo"]["goodput"])
     assert high["drop"]["q"] is None and "goodput" not in high["drop"]  # trained by nobody here: not measured
-    w = goodput.winners(eff)["llama-7b"]["high"]
-    assert "drop" in w["not_measured"]
-    g = {p: c["goodput_range"] for p, c in high.items() if "goodput" in c}
-    assert w["leads"] == all(g[w["best"]][0] > g[p][1] for p in g if p != w["best"])
-    assert w["tied"] == [p for p in sorted(g, key=lambda p: -high[p]["goodput"]) if p != w["best"] and g[p][1] >= g[w["best"]][0]]
+
+
+def _result(names, eff):
+    """A goodput result with every block the report reads, for the figure code."""
+    sized = {p: {"mean": 1.0, "goodput": 1.0} for p in names}
+    lead = {"best": names[0], "leads": True, "tied": [], "second": names[1], "goodput": {p: 1.0 for p in names},
+            "margin": {p: {"d": 1.0, "lo": 0.5, "hi": 1.5, "seeds": [0]} for p in names[1:]}}
+    level = {"by_reading": {"simulated": lead, "spares": lead}, "verdict": {"leader": names[0], "outcomes": {names[0]: ["simulated", "spares"]}}}
+    return {"effective": eff, "quality": {}, "transfer": {}, "null_control": {}, "noise": None, "n": 32, "profile": "test",
+            "curves": {"0": {"lengths": [1, 2], "max_residual": 0.0}},
+            "envelope": {"llama-7b": {lv: level for lv in goodput.LEVELS}},
+            "drop_readings": {lv: {"measured": None} for lv in goodput.LEVELS},
+            "comparability": {lv: {"cpu_failed_fraction": 0.1, "simulated_failed_fraction": 0.1} for lv in goodput.LEVELS},
+            "scale": {"scenario": {"name": "x", "interval_h": 1.0, "recovery_h": 1.0}, "run_failed_fraction": 0.0, "max_q_gap": 0.0,
+                      "sizes": {"32": {"policies": sized, "leaders": lead, "clamped": {}}}},
+            "map": [{"gpus": 32, "gpu_mtbf_h": 10.0, "recovery_h": 1.0, "failed_fraction": 0.01, "best": names[0], "leads": False,
+                     "tied": names[1:2], "goodput": {}, "margin": {"d": 1.0, "lo": -0.5, "hi": 2.5}, "clamped": {}}],
+            "map_grid": {"gpus": [32], "gpu_mtbf_h": [10.0], "recovery_h": [1.0]}}
 
 
 def test_a_new_registry_policy_appears_in_the_table_and_the_frontier(example):  # noqa: F811
@@ -97,44 +113,55 @@ def test_a_new_registry_policy_appears_in_the_table_and_the_frontier(example):  
     names = policies.simulator_policies()
     assert NAME in names
     eff = goodput.effective(_throughput(names), _measured(["mecefo", "drop", "spread-mecefo", NAME]))
-    sized = {p: {"goodput": 1.0, "goodput_range": [1.0, 1.0]} for p in names}
-    result = {"effective": eff, "winners": goodput.winners(eff), "quality": {}, "n": 32, "profile": "test",
-              "curves": {"0": {"lengths": [1, 2], "max_residual": 0.0}},
-              "comparability": {lv: {"cpu_failed_fraction": 0.1, "simulated_failed_fraction": 0.1, "drop_samples_lost_cpu": 0.1,
-                                     "drop_samples_lost_7b": 0.4} for lv in goodput.LEVELS},
-              "scale": {"scenario": {"name": "x", "interval_h": 1.0, "recovery_h": 1.0}, "run_failed_fraction": 0.0,
-                        "q": {p: {"mean": 1.0} for p in names},
-                        "sizes": {"32": {"policies": sized, "leaders": goodput.leaders(sized)}}}}
+    result = _result(names, eff)
     assert sum(f"| `{NAME}` |" in line for line in figure.table(result)) == 3  # low, mid, high
     figure.frontier_figure(result)  # drawn without a change to the figure code
     figure.rate_figure(result)
+    figure.map_figure(result)
     assert NAME in figure.report(result)[1]
+
+
+class Cfg:
+    class cluster:
+        failure_free_steps = 0
+
+    class train:
+        steps = 100
+
+
+def _scaling(names, retained=0.9):
+    return _throughput(names) | {"scaling": {"scenario": {"name": "s", "interval_h": 48.0, "recovery_h": 3.0},
+                                             "results": {"32": {p: {"retained": retained, "ci95": [retained - 0.1, retained + 0.1]}
+                                                                for p in names}}}}
 
 
 def test_q_at_scale_is_interpolated_in_the_failed_fraction():
     names = policies.simulator_policies()
-    throughput = _throughput(names) | {"scaling": {"scenario": {"name": "s", "interval_h": 48.0, "recovery_h": 3.0},
-                                                   "results": {"32": {p: {"retained": 0.9, "ci95": [0.8, 1.0]} for p in names}}}}
-
-    class Cfg:
-        class cluster:
-            failure_free_steps = 0
-
-        class train:
-            steps = 100
-
-    out = goodput.at_scale(throughput, _measured(["mecefo"], 0.8), Cfg)
+    throughput, own = _scaling(names), {"32": {p: 100.0 for p in names}}
+    out = goodput.at_scale(throughput, _measured(["mecefo"], 0.8), Cfg, own, None)
     f = out["run_failed_fraction"]
     assert f == pytest.approx(3.0 / (32 * 48.0))
-    assert out["q"]["mecefo"]["mean"] == pytest.approx(1 - 0.2 * f / 0.02)  # between failure-free and low
-    assert out["sizes"]["32"]["policies"]["mecefo"]["goodput"] == pytest.approx(0.9 * out["q"]["mecefo"]["mean"])
-    assert "drop" not in out["q"]  # not measured at every level
-    assert out["q"]["mecefo"]["clamped_at"] is None and "is beyond" not in figure_scale_answer(out)
-    Cfg.cluster.failure_free_steps, throughput["scaling"]["scenario"]["recovery_h"] = 0, 48.0 * 32 * 0.2  # 20% failed
-    out = goodput.at_scale(throughput, _measured(["mecefo"], 0.8), Cfg)
-    assert out["run_failed_fraction"] > 0.1 and out["q"]["mecefo"]["clamped_at"] == 0.1  # beyond the measured high
-    assert out["q"]["mecefo"]["mean"] == pytest.approx(0.8)
-    assert "is beyond the largest measured for `mecefo` (10.0%): their q is held" in figure_scale_answer(out)
+    q = out["sizes"]["32"]["policies"]["mecefo"]["goodput"] / 0.9
+    assert q == pytest.approx(math.exp(f / 0.02 * math.log(0.8)))  # log q linear between failure-free and low
+    assert "goodput" not in out["sizes"]["32"]["policies"]["drop"]  # not measured
+    assert out["sizes"]["32"]["clamped"] == {} and "Beyond" not in figure_scale_answer(out)
+    throughput["scaling"]["scenario"]["recovery_h"] = 48.0 * 32 * 0.2  # 20% failed
+    out = goodput.at_scale(throughput, _measured(["mecefo"], 0.8), Cfg, own, None)
+    assert out["run_failed_fraction"] > 0.1 and out["sizes"]["32"]["clamped"] == {"mecefo": 0.1}  # beyond the measured high
+    assert out["sizes"]["32"]["policies"]["mecefo"]["goodput"] == pytest.approx(0.9 * 0.8)
+    assert "Beyond the largest failed fraction measured for `mecefo` (10.0%) q is held" in figure_scale_answer(out)
+
+
+def test_each_scaling_job_has_its_own_failure_free_overhead():
+    """Bamboo's redundancy costs a job with 16 micro-batches per replica other than Table 2's 7B job (64): G at scale
+    must put each policy on the failure-free job's throughput with the overhead of that scaling job, not Table 2's."""
+    names = policies.simulator_policies()
+    throughput = _scaling(names, retained=1.0)
+    throughput["table2"]["llama-7b"]["none"]["bamboo"]["mean"] = 50.0  # Table 2's job: Bamboo at half the throughput
+    own = {"32": {p: 100.0 for p in names} | {"bamboo": 80.0}}  # the scaling job's own: Bamboo at 0.8
+    out = goodput.at_scale(throughput, _measured([]), Cfg, own, None)
+    assert out["sizes"]["32"]["policies"]["bamboo"]["failure_free_kept"] == pytest.approx(0.8)
+    assert out["sizes"]["32"]["policies"]["bamboo"]["goodput"] == pytest.approx(0.8)
 
 
 def figure_scale_answer(scale: dict) -> str:
@@ -143,17 +170,100 @@ def figure_scale_answer(scale: dict) -> str:
     return figure.scale_answer(scale)
 
 
-def test_a_policy_leads_only_where_every_range_is_bounded_and_below_its_own():
-    """One seed gives no interval (ci95's NaN): such a range is unbounded, so it never lets a policy lead, nor leads
-    itself (the old comparison with NaN was always False: a single-seed cell printed 'leads')."""
-    nan = float("nan")
-    cells = {"a": {"goodput": 0.9, "goodput_range": [0.85, 0.95]}, "b": {"goodput": 0.7, "goodput_range": [0.65, 0.75]},
-             "c": {}}
-    w = goodput.leaders(cells)
-    assert (w["best"], w["second"], w["leads"], w["tied"], w["not_measured"]) == ("a", "b", True, [], ["c"])
-    cells["b"]["goodput_range"] = [nan, nan]  # the runner-up from one seed
-    w = goodput.leaders(cells)
-    assert (w["leads"], w["tied"], w.get("unbounded")) == (False, ["b"], ["b"])
-    cells["b"]["goodput_range"], cells["a"]["goodput_range"] = [0.65, 0.75], [nan, nan]  # the leader from one seed
-    w = goodput.leaders(cells)
-    assert (w["leads"], w["tied"], w.get("unbounded")) == (False, ["b"], ["a"])
+def _cell(kept, log_q=None, se=0.0):
+    return {"kept": kept, "se": se, "log_q": log_q}
+
+
+def test_a_single_seed_without_pooled_noise_never_leads():
+    """One seed has no interval of its own: without pooled noise its difference is unbounded, so it neither leads nor
+    lets another policy lead (the old comparison with ci95's NaN was always False: a single-seed cell printed 'leads')."""
+    cells = {"a": _cell(0.9, {0: 0.0}), "b": _cell(0.5), "c": _cell(0.4)}
+    c = envelope.compare(cells, None)
+    assert (c["best"], c["leads"], c["tied"]) == ("a", False, ["b", "c"])
+    cells = {"a": _cell(0.9), "b": _cell(0.5, {0: 0.0})}
+    assert envelope.compare(cells, None)["leads"] is False
+    noise = Noise(sd=1.0, df=10, upper=2.0, level=0.95, runs=20)  # pooled from other cells: one seed is bounded
+    assert envelope.compare(cells, noise)["leads"] is True
+
+
+def test_the_paired_difference_against_an_independent_computation():
+    from scipy import stats
+
+    noise = Noise(sd=2.0, df=17, upper=3.0, level=0.95, runs=40)
+    a = _cell(0.8, {0: -1.0, 1: -3.0, 2: 5.0}, se=0.4)
+    b = _cell(0.7, {0: -2.0, 1: -2.5, 3: 9.0}, se=0.3)  # seeds 0 and 1 in common
+    x = envelope.paired(a, b, noise)
+    d = 100 * math.log(0.8 / 0.7) + ((-1.0 + 2.0) + (-3.0 + 2.5)) / 2
+    half = stats.t.ppf(0.975, 17) * math.sqrt(0.4 ** 2 + 0.3 ** 2 + 2.0 ** 2 / 2)
+    assert (x["d"], x["half"], x["seeds"]) == (pytest.approx(d), pytest.approx(half), [0, 1])
+    x = envelope.paired(a, _cell(0.7), noise)  # one trained: its mean's variance is s_e^2 / k = sd^2 / (2 k)
+    assert x["d"] == pytest.approx(100 * math.log(0.8 / 0.7) + 1 / 3)
+    assert x["half"] == pytest.approx(stats.t.ppf(0.975, 17) * math.sqrt(0.4 ** 2 + 2.0 ** 2 / 6))
+    assert envelope.paired(_cell(0.8, {0: 1.0}), _cell(0.7, {1: 1.0}), noise)["half"] == math.inf  # no common seed
+
+
+def test_a_policy_leads_only_where_every_reading_agrees():
+    lead_a = {"best": "a", "leads": True, "tied": []}
+    assert envelope.verdict({"simulated": lead_a, "spares": lead_a}) == {"leader": "a", "outcomes": {"a": ["simulated", "spares"]}}
+    v = envelope.verdict({"simulated": lead_a, "no-barrier": {"best": "b", "leads": True, "tied": []},
+                          "spares": {"best": "a", "leads": False, "tied": ["b"]}})
+    assert v == {"leader": None, "outcomes": {"a": ["simulated"], "b": ["no-barrier"], "tied: a, b": ["spares"]}}
+    from paper_figures.goodput import job_sentence
+
+    levels = {"low": {"verdict": {"leader": "a", "outcomes": {}}}, "mid": {"verdict": {"leader": "a", "outcomes": {}}},
+              "high": {"verdict": v}}
+    said = job_sentence("llama-7b", levels)
+    assert said.startswith("**llama-7b**: `a` leads at low and mid under every reading; at high the reading decides")
+    assert "`b` under no-barrier" in said and "no lead (`a`, `b` tied) under spares" in said
+
+
+def test_the_readings_of_the_throughput():
+    """no-barrier: 1 - 2 f (1 - 1/alpha) for a neighbour's policy; fitted: the baseline variants; provisioned:
+    checkpoint-restart per provisioned GPU; paper: the paper's drops on each policy's own failure-free throughput."""
+    from experiments.throughput import FITTED, PAPER_JOBS
+    from mecefo.failures import SCENARIOS
+    from mecefo.simulator import CostModel
+
+    names = policies.simulator_policies()
+    t = _throughput(names)
+    for lv in ("low", "mid", "high"):
+        t["table2"]["llama-7b"][lv][FITTED] = {"mean": 11.0, "ci95": [10.0, 12.0]}
+    sim = {"spares": {"llama-7b": {lv: {p: {"mean": 99.0, "ci95": [98.0, 100.0]} for p in names} for lv in ("low", "mid", "high")}}}
+    r = envelope.kept_readings(t, sim, "llama-7b", "high", {"llama-7b": {"high": {"mecefo": 0.04, "bamboo": 0.2}}})
+    f, alpha = SCENARIOS["high"].expected_failed_fraction(), CostModel(PAPER_JOBS["llama-7b"]).alpha(1)
+    assert r["no-barrier"]["mecefo"]["kept"] == pytest.approx(1 - 2 * f * (1 - 1 / alpha))
+    assert r["no-barrier"]["ndb-exact"]["kept"] == pytest.approx(1 - f)  # alpha = 2
+    assert r["no-barrier"]["drop"] == r["simulated"]["drop"]
+    assert r["fitted"]["bamboo"]["kept"] == pytest.approx(0.11) and r["fitted"]["mecefo"] == r["simulated"]["mecefo"]
+    assert r["spares"]["drop"]["kept"] == pytest.approx(0.99)
+    ckpt = r["simulated"]["checkpoint-restart"]["kept"]
+    assert r["provisioned"]["checkpoint-restart"]["kept"] == pytest.approx(ckpt / (1 + f))
+    assert r["paper"]["mecefo"]["kept"] == pytest.approx(0.96) and r["paper"]["drop"] == r["simulated"]["drop"]
+    assert "paper" not in envelope.kept_readings(t, sim, "llama-7b", "low", {"llama-7b": {"high": {"mecefo": 0.04}}})
+
+
+@given(st.floats(0.1, 0.5), st.sampled_from(["low", "mid", "high"]))
+def test_drop_is_trained_at_the_lost_fraction_it_is_read_at(target, level):
+    """The transfer runs' scenario puts `target` of the ranks down in steady state (Little's law), with the level's
+    recovery time."""
+    from mecefo import failures
+
+    sc = failures.scenario(goodput.transfer_spec(level, target))
+    assert sc.recovery_h == failures.SCENARIOS[level].recovery_h
+    assert sc.expected_failed_fraction() == pytest.approx(round(target, 3), rel=1e-5)
+
+
+def test_q_is_interpolated_per_seed_and_held_beyond_the_measured():
+    points = [(0.1, {0: -10.0, 1: -20.0}), (0.4, {0: -40.0, 2: 0.0})]
+    assert envelope.interp_log_q(points, 0.05) == ({0: -5.0, 1: -10.0}, False)
+    v, held = envelope.interp_log_q(points, 0.25)
+    assert v == pytest.approx({0: -25.0}) and not held  # seeds both bracketing points have
+    assert envelope.interp_log_q(points, 0.5) == ({0: -40.0, 2: 0.0}, True)
+
+
+def test_the_null_control_fails_on_a_biased_pipeline():
+    noise = Noise(sd=0.5, df=20, upper=1.0, level=0.95, runs=30)
+    fair = goodput.pooled_interval({"q": {"values": [1.002, 0.997, 1.001]}}, noise)
+    biased = goodput.pooled_interval({"q": {"values": [0.97, 0.975, 0.968]}}, noise)
+    assert fair["ci95"][0] <= 1 <= fair["ci95"][1] and not biased["ci95"][0] <= 1 <= biased["ci95"][1]
+    assert goodput.pooled_interval({"q": {"values": [0.97]}}, None)["ci95"] == [-math.inf, math.inf]
