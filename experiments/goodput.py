@@ -55,7 +55,9 @@ from mecefo.stats import block_noise, interval_half_width
 from mecefo.train import run
 
 from . import goodput_envelope as envelope_mod
+from . import goodput_sim
 from . import sweep
+from .throughput import PAPER_JOBS
 
 LENGTHS = {"quick": (30, 40, 50), "default": (200, 240, 270)}  # besides the sweep's own length (60, 300)
 LEVELS = ("low", "mid", "high")
@@ -245,9 +247,11 @@ def effective(throughput: dict, measured: dict, transfer: dict | None = None) ->
     return out
 
 
-def envelope(throughput: dict, sim: dict, measured: dict, transfer: dict, noise) -> dict:
+def envelope(throughput: dict, sim: dict, measured: dict, transfer: dict, noise, warm: float) -> dict:
     """Per job and level: every reading's throughput kept (goodput_envelope.kept_readings), its compare() of the
-    policies whose q is known, and the verdict over the readings."""
+    policies whose q is known, and the verdict over the readings. Under `spares` a failed GPU's place is empty for
+    a spare's wait only, so q is read at that reading's far smaller failed fraction (scale_cells; `warm`: the share
+    of a CPU run after its warm start); under the others at the level's."""
     from mecefo.results import paper_numbers
 
     rows = paper_numbers()["table2_throughput_tokens_per_s"]["rows"]
@@ -260,7 +264,12 @@ def envelope(throughput: dict, sim: dict, measured: dict, transfer: dict, noise)
             q = {p: quality_of(p, level, measured, model, transfer) for p in readings["simulated"]}
             known = [p for p in q if q[p] is not None]
             by = {r: envelope_mod.compare({p: kept[p] | {"log_q": q[p].get("log_q")} for p in known if p in kept}, noise)
-                  for r, kept in readings.items()}
+                  for r, kept in readings.items() if r != "spares"}
+            f_spares = goodput_sim.with_spares(level, PAPER_JOBS[model]).expected_failed_fraction()
+            cells, _ = scale_cells(readings["spares"], f_spares, warm, measured, transfer if model == TRANSFER_JOB else {},
+                                   PAPER_JOBS[model].pp)
+            by["spares"] = envelope_mod.compare(cells, noise)
+            by = {r: by[r] for r in readings}  # in READINGS' order
             out[model][level] = {"readings": readings, "by_reading": by, "verdict": envelope_mod.verdict(by),
                                  "not_measured": [p for p in q if q[p] is None]}
     return out
@@ -274,25 +283,30 @@ def q_points(policy: str, measured: dict, transfer: dict) -> list[tuple[float, d
             for src in sources for m in src.values()]
 
 
-def scale_cells(kept: dict, gpu_fraction: float, warm: float, measured: dict, transfer: dict) -> tuple[dict, dict]:
-    """Cells for compare() where the failed fraction of GPUs is gpu_fraction (steady state): q interpolated at the
-    CPU runs' scale (the steady fraction x `warm`, the share of the run after its warm start; for drop the samples
-    it loses, 1 - its kept), and which policies' q was held beyond the largest measured fraction."""
+def scale_cells(kept: dict, gpu_fraction: float, warm: float, measured: dict, transfer: dict, pp: int) -> tuple[dict, dict]:
+    """Cells for compare() from kept (policy -> {"kept", "se"}) where the failed fraction of GPUs is gpu_fraction
+    (steady state): q interpolated at the CPU runs' scale (the steady fraction x `warm`, the share of the run after
+    its warm start; for drop the share of samples it loses, that of replicas with a failed GPU among their pp
+    stages, 1 - (1 - f)^pp), and which policies' q was held beyond the largest measured fraction."""
     cells, clamped = {}, {}
     for p, k in kept.items():
-        se = 100 * (k["ci95"][1] - k["ci95"][0]) / (2 * 1.96 * k["mean"]) if all(map(math.isfinite, k["ci95"])) else 0.0
         if policies.get(p).exact:
-            cells[p] = {"kept": k["mean"], "se": se, "log_q": None}
+            cells[p] = {"kept": k["kept"], "se": k["se"], "log_q": None}
             continue
         points = q_points(p, measured, transfer)
         if not points:
             continue
-        x = warm * ((1 - k["mean"] / k.get("own", 1.0)) if p == "drop" else gpu_fraction)
-        log_q, held = envelope_mod.interp_log_q(points, x)
-        cells[p] = {"kept": k["mean"], "se": se, "log_q": log_q, "x": x}
+        x = warm * ((1 - (1 - gpu_fraction) ** pp) if p == "drop" else gpu_fraction)
+        log_q, held, factor = envelope_mod.interp_log_q(points, x)
+        cells[p] = {"kept": k["kept"], "se": k["se"], "log_q": log_q, "q_var": factor, "x": x}
         if held:
             clamped[p] = max(pt[0] for pt in points)
     return cells, clamped
+
+
+def kept_cell(mean: float, ci95: list[float]) -> dict:
+    """A simulated throughput kept as scale_cells takes it: mean and standard error in log points."""
+    return {"kept": mean, "se": envelope_mod._se({"mean": mean, "ci95": ci95}, 1.0)}
 
 
 def at_scale(throughput: dict, measured: dict, base_cfg, own: dict, noise, transfer: dict | None = None) -> dict:
@@ -307,30 +321,34 @@ def at_scale(throughput: dict, measured: dict, base_cfg, own: dict, noise, trans
     sizes = {}
     for gpus, cells in throughput["scaling"]["results"].items():
         ff = own[gpus]
-        kept = {p: {"mean": c["retained"] * ff[p] / ff[REFERENCE], "ci95": [x * ff[p] / ff[REFERENCE] for x in c["ci95"]],
-                    "failure_free_kept": ff[p] / ff[REFERENCE], "own": ff[p] / ff[REFERENCE]}
+        kept = {p: kept_cell(c["retained"] * ff[p] / ff[REFERENCE], [x * ff[p] / ff[REFERENCE] for x in c["ci95"]])
                 for p, c in cells.items() if p in policies.simulator_policies() and p in ff}
-        compared, clamped = scale_cells(kept, scenario.expected_failed_fraction(), warm, measured, transfer or {})
-        sizes[gpus] = {"policies": {p: kept[p] | {"goodput": envelope_mod.goodput_of(compared[p])} if p in compared else kept[p]
-                                    for p in kept}, "leaders": envelope_mod.compare(compared, noise), "clamped": clamped}
-    gaps = [abs(1 - c["goodput"] / c["mean"]) for s in sizes.values() for c in s["policies"].values() if "goodput" in c]
+        compared, clamped = scale_cells(kept, scenario.expected_failed_fraction(), warm, measured, transfer or {},
+                                        PAPER_JOBS[TRANSFER_JOB].pp)
+        shown = {p: {"kept": k["kept"], "failure_free_kept": ff[p] / ff[REFERENCE]} | (
+            {"goodput": envelope_mod.goodput_of(compared[p])} if p in compared else {}) for p, k in kept.items()}
+        sizes[gpus] = {"policies": shown, "leaders": envelope_mod.compare(compared, noise), "clamped": clamped}
+    gaps = [abs(1 - c["goodput"] / c["kept"]) for s in sizes.values() for c in s["policies"].values() if "goodput" in c]
     return {"scenario": sc, "run_failed_fraction": scenario.expected_failed_fraction() * warm, "sizes": sizes,
             "max_q_gap": max(gaps, default=0.0)}
 
 
 def leader_map(sim: dict, measured: dict, base_cfg, noise, transfer: dict) -> list[dict]:
     """Per point of goodput_sim's map (GPUs x GPU MTBF x recovery): compare() of every policy whose q is known
-    (simulated reading), its leader and margin, and the policies whose q was held beyond the measured fractions."""
+    (simulated reading); `group`: the best and every policy not separable from it (within noise or the tolerance),
+    `next`: the best policy outside it and the paired margin over it; policies whose q was held beyond the measured
+    fractions."""
     warm = (base_cfg.train.steps - base_cfg.cluster.failure_free_steps) / base_cfg.train.steps
     out = []
     for pt in sim["map"]:
-        kept = {p: v | {"own": 1.0} for p, v in pt["kept"].items() if p in policies.simulator_policies()}
-        cells, clamped = scale_cells(kept, pt["failed_fraction"], warm, measured, transfer)
+        kept = {p: kept_cell(v["mean"], v["ci95"]) for p, v in pt["kept"].items() if p in policies.simulator_policies()}
+        cells, clamped = scale_cells(kept, pt["failed_fraction"], warm, measured, transfer, PAPER_JOBS[TRANSFER_JOB].pp)
         c = envelope_mod.compare(cells, noise)
-        second = c["second"]
+        group = [p for p in c["goodput"] if p == c["best"] or p in c["tied"] or p in c["equal"]]  # not separable from the best
+        after = next((p for p in c["goodput"] if p not in group), None)
         out.append({k: pt[k] for k in ("gpus", "gpu_mtbf_h", "recovery_h", "failed_fraction")}
-                   | {"best": c["best"], "leads": c["leads"], "tied": c["tied"], "goodput": c["goodput"],
-                      "margin": c["margin"].get(second), "clamped": clamped})
+                   | {"best": c["best"], "leads": c["leads"], "tied": c["tied"], "equal": c["equal"], "goodput": c["goodput"],
+                      "group": group, "next": after, "margin": c["margin"].get(after) if after else None, "clamped": clamped})
     return out
 
 
@@ -395,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
               "transfer": transfer, "transfer_runs": extra, "null_control": null_control,
               "noise": None if noise is None else {"sd": noise.sd, "df": noise.df, "runs": noise.runs},
               "comparability": compared, "drop_readings": drop_readings(throughput, measured, transfer),
-              "effective": eff, "envelope": envelope(throughput, sim, measured, transfer, noise),
+              "effective": eff, "envelope": envelope(throughput, sim, measured, transfer, noise,
+                                                     (base_cfg.train.steps - base_cfg.cluster.failure_free_steps) / base_cfg.train.steps),
               "scale": at_scale(throughput, measured, base_cfg, sim["own_failure_free"], noise, transfer),
               "map": leader_map(sim, measured, base_cfg, noise, transfer), "map_grid": sim["map_grid"],
               "throughput_sources_digest": throughput["sources_digest"], "goodput_sim_digest": sim["sources_digest"],

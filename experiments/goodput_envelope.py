@@ -22,8 +22,9 @@ Paired difference of policies P and Q (in log points, the scale Table 3 decides 
     d = 100 ln(G_P / G_Q) = 100 ln(kept_P / kept_Q) + mean over common seeds s of 100 ln(q_P,s / q_Q,s)
 Var d = the pooled noise of q over the k seeds (sd^2 / k when both are trained, sd^2 / (2 k) when one is: sd is
 a paired difference's) + each simulated throughput's squared standard error; a 95% t-interval with the pooled
-df. P leads when the lower bound of its difference with every other policy is above 0. A difference whose q noise
-is unknown (no pooled df) is unbounded: it never gives a lead.
+df. P leads when, against every other policy, the interval's lower bound is above 0 and its upper bound above
+TOLERANCE (an interval wholly within +-TOLERANCE: equal for an operator's choice, no lead). A difference whose q
+noise is unknown (no pooled df) is unbounded: it never gives a lead.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from scipy import stats as sps
 from mecefo import policies
 from mecefo.failures import SCENARIOS
 from mecefo.simulator import CostModel
+from mecefo.stats import log_points
 
 from .throughput import FITTED, PAPER_JOBS, VARIANTS
 
@@ -44,12 +46,15 @@ REFERENCE = "mecefo"  # whose failure-free throughput is the job's (no failure: 
 PAPER_SYSTEMS = {"mecefo": "MeCeFO", "bamboo": "Bamboo", "oobleck": "Oobleck"}  # Table 2's columns
 NEIGHBOUR = {"mecefo": False, "ndb-exact": True}  # policies whose neighbour covers a failed GPU: exact computation?
 SPARES = ("checkpoint-restart",)  # policies that hold spare GPUs in the simulated reading
+TOLERANCE = 1.0  # percent of G: policies whose paired difference lies within +-1% are equal for an operator's choice
 
 
 def _se(v: dict, base: float) -> float:
     """A simulated throughput's standard error relative to its mean, in log points (from its 95% interval)."""
     lo, hi = v["ci95"]
-    return 0.0 if not (math.isfinite(lo) and math.isfinite(hi)) else 100 * (hi - lo) / (2 * 1.96 * v["mean"])
+    if not (math.isfinite(lo) and math.isfinite(hi)) or v["mean"] <= 0:
+        return 0.0
+    return 100 * (hi - lo) / (2 * 1.96 * v["mean"])
 
 
 def kept_readings(throughput: dict, sim: dict, model: str, level: str, paper_drops: dict) -> dict:
@@ -79,18 +84,21 @@ def kept_readings(throughput: dict, sim: dict, model: str, level: str, paper_dro
 
 def paired(a: dict, b: dict, noise) -> dict:
     """The paired difference d = 100 ln(G_a / G_b) (module docstring) of two cells {"kept", "se", "log_q"}, where
-    log_q is seed -> 100 ln q (None: exact, q = 1). Returns the difference, its 95% half-width and the seeds paired."""
+    log_q is seed -> 100 ln q (None: exact, q = 1) and an optional "q_var" scales q's variance (1: measured; an
+    interpolated q carries its weights' squares). Returns the difference, its 95% half-width and the seeds paired."""
+    if b["kept"] <= 0:  # no progress at all (e.g. checkpoint-restart failing faster than it restarts)
+        return {"d": math.inf if a["kept"] > 0 else math.nan, "half": 0.0 if a["kept"] > 0 else math.inf, "seeds": []}
     d = 100 * math.log(a["kept"] / b["kept"])
-    var, trained = a["se"] ** 2 + b["se"] ** 2, [c["log_q"] for c in (a, b) if c["log_q"] is not None]
-    seeds = sorted(set.intersection(*(set(t) for t in trained))) if trained else []
-    if trained:
-        if not seeds or noise is None:
-            return {"d": math.nan, "half": math.inf, "seeds": seeds}
-        d += float(np.mean([sum((1 if c is a else -1) * c["log_q"][s] for c in (a, b) if c["log_q"] is not None)
-                            for s in seeds]))
-        var += noise.sd ** 2 / len(seeds) / (1 if len(trained) == 2 else 2)
-        return {"d": d, "half": float(sps.t.ppf(0.975, noise.df) * math.sqrt(var)), "seeds": seeds}
-    return {"d": d, "half": 1.96 * math.sqrt(var), "seeds": seeds}
+    var, trained = a["se"] ** 2 + b["se"] ** 2, [c for c in (a, b) if c["log_q"] is not None]
+    if not trained:
+        return {"d": d, "half": 1.96 * math.sqrt(var), "seeds": []}
+    seeds = sorted(set.intersection(*(set(c["log_q"]) for c in trained)))
+    if not seeds or noise is None:
+        return {"d": math.nan, "half": math.inf, "seeds": seeds}
+    d += float(np.mean([sum((1 if c is a else -1) * c["log_q"][s] for c in trained) for s in seeds]))
+    # a configuration's mean over k seeds has variance s_e^2 / k = sd^2 / (2 k) (sd: a paired difference's)
+    var += sum(c.get("q_var", 1.0) for c in trained) * noise.sd ** 2 / (2 * len(seeds))
+    return {"d": d, "half": float(sps.t.ppf(0.975, noise.df) * math.sqrt(var)), "seeds": seeds}
 
 
 def goodput_of(cell: dict) -> float:
@@ -98,15 +106,19 @@ def goodput_of(cell: dict) -> float:
     return cell["kept"] * (1.0 if cell["log_q"] is None else math.exp(np.mean(list(cell["log_q"].values())) / 100))
 
 
-def compare(cells: dict, noise) -> dict:
-    """The policy of highest G, and whether it leads: every paired difference with another policy bounded above 0
-    (a NaN or unbounded difference never is). `tied`: the policies whose difference with it is not."""
+def compare(cells: dict, noise, tolerance: float = TOLERANCE) -> dict:
+    """The policy of highest G and how it stands against each other policy Q, from the paired difference's 95%
+    interval [lo, hi] (log points): ahead when lo > 0 and hi above the tolerance; `equal` (within the tolerance)
+    when the whole interval lies within +-tolerance; else `tied` (not decided; a NaN or unbounded difference
+    always is). It leads when it is ahead of every other policy."""
+    tol = float(log_points(tolerance))
     ranked = sorted(cells, key=lambda p: -goodput_of(cells[p]))
     best = ranked[0]
     diffs = {p: paired(cells[best], cells[p], noise) for p in ranked[1:]}
-    tied = [p for p, x in diffs.items() if not x["d"] - x["half"] > 0]
-    return {"best": best, "goodput": {p: goodput_of(cells[p]) for p in ranked}, "leads": not tied, "tied": tied,
-            "second": ranked[1] if len(ranked) > 1 else None,
+    equal = [p for p, x in diffs.items() if -tol <= x["d"] - x["half"] and x["d"] + x["half"] <= tol]
+    tied = [p for p, x in diffs.items() if p not in equal and not (x["d"] - x["half"] > 0 and x["d"] + x["half"] > tol)]
+    return {"best": best, "goodput": {p: goodput_of(cells[p]) for p in ranked}, "leads": not tied and not equal,
+            "tied": tied, "equal": equal, "tolerance_pct": tolerance, "second": ranked[1] if len(ranked) > 1 else None,
             "margin": {p: {"d": x["d"], "lo": x["d"] - x["half"], "hi": x["d"] + x["half"], "seeds": x["seeds"]}
                        for p, x in diffs.items()}}
 
@@ -116,21 +128,23 @@ def verdict(by_reading: dict) -> dict:
     each outcome (a policy that leads, or 'tied: a, b') with the readings that give it."""
     outcomes: dict[str, list[str]] = {}
     for reading, c in by_reading.items():
-        key = c["best"] if c["leads"] else "tied: " + ", ".join([c["best"], *c["tied"]])
+        key = c["best"] if c["leads"] else "tied: " + ", ".join([c["best"], *c["tied"], *c.get("equal", [])])
         outcomes.setdefault(key, []).append(reading)
     leader = next(iter(outcomes)) if len(outcomes) == 1 and not next(iter(outcomes)).startswith("tied") else None
     return {"leader": leader, "outcomes": outcomes}
 
 
-def interp_log_q(points: list[tuple[float, dict]], x: float) -> tuple[dict, bool]:
+def interp_log_q(points: list[tuple[float, dict]], x: float) -> tuple[dict, bool, float]:
     """seed -> 100 ln q at failed fraction x, linear between (0, q = 1) and the measured points (x_i, seed -> 100
-    ln q_i) over the seeds both bracketing points have; beyond the last point it is held there (clamped: True)."""
+    ln q_i) over the seeds both bracketing points have; beyond the last point it is held there (clamped: True).
+    Also the factor on q's variance: (1 - w)^2 + w^2 between two measured points, w^2 from failure-free (exact)."""
     pts = [(0.0, None)] + sorted(points, key=lambda p: p[0])
     if x >= pts[-1][0]:
-        return dict(pts[-1][1]), x > pts[-1][0]
+        return dict(pts[-1][1]), x > pts[-1][0], 1.0
     for (x0, v0), (x1, v1) in zip(pts, pts[1:]):
         if x0 <= x <= x1:
             w = (x - x0) / (x1 - x0)
             seeds = v1.keys() if v0 is None else v1.keys() & v0.keys()
-            return {s: (1 - w) * (0.0 if v0 is None else v0[s]) + w * v1[s] for s in seeds}, False
+            factor = w ** 2 + (0.0 if v0 is None else (1 - w) ** 2)
+            return {s: (1 - w) * (0.0 if v0 is None else v0[s]) + w * v1[s] for s in seeds}, False, factor
     raise ValueError(f"failed fraction {x} below 0")

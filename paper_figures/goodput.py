@@ -14,7 +14,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from experiments.goodput import LEVELS
-from experiments.goodput_envelope import READINGS
+from experiments.goodput_envelope import READINGS, TOLERANCE
 from experiments.table2 import in_order
 from mecefo.errors import guarded
 from mecefo.results import quick_flag, read_measurement
@@ -139,20 +139,29 @@ def _and(words: list[str]) -> str:
     return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
 
 
+def _tied(names: list[str]) -> str:
+    """A tie, short: up to three names, then how many more."""
+    return _who(names) if len(names) <= 3 else f"{_who(names[:3])} and {len(names) - 3} more"
+
+
 def job_sentence(model: str, levels: dict) -> str:
     """One sentence for a job: the levels where one policy leads under every reading, grouped by policy; elsewhere
-    what each reading gives (so the readings that decide it are named)."""
+    which policy each reading puts ahead, or none (so the readings that decide it are named), levels with the same
+    answer said once. Who is tied with whom is in the table."""
     robust: dict[str, list[str]] = {}
-    open_: list[str] = []
+    open_: dict[tuple, list[str]] = {}
     for level in LEVELS:
         v = levels[level]["verdict"]
         if v["leader"]:
             robust.setdefault(v["leader"], []).append(level)
             continue
-        said = [(f"`{o}` under " if not o.startswith("tied") else f"no lead ({_who(o[len('tied: '):].split(', '))} tied) under ")
-                + ", ".join(r) for o, r in v["outcomes"].items()]
-        open_.append(f"at {level} the reading decides: " + "; ".join(said))
-    parts = [f"`{p}` leads at {_and(lv)} under every reading" for p, lv in robust.items()] + open_
+        said: dict[str, list[str]] = {}
+        for outcome, readings in v["outcomes"].items():
+            said.setdefault("no lead" if outcome.startswith("tied") else f"`{outcome}`", []).extend(readings)
+        open_.setdefault(tuple((k, tuple(r)) for k, r in said.items()), []).append(level)
+    parts = [f"`{p}` leads at {_and(lv)} under every reading" for p, lv in robust.items()]
+    parts += [f"at {_and(lv)} the reading decides: " + "; ".join(f"{k} under {', '.join(r)}" for k, r in said)
+              for said, lv in open_.items()]
     return f"**{model}**: " + "; ".join(parts) + "."
 
 
@@ -161,18 +170,30 @@ def answer(result: dict) -> str:
     readings = sorted({r for levels in result["envelope"].values() for e in levels.values() for r in e["by_reading"]},
                       key=list(READINGS).index)
     return ("Which policy reaches the failure-free run's quality first (highest goodput G = throughput kept x q; \"leads\": "
-            "its paired difference with every other policy is above 0 at 95%, under every reading of the throughput: "
+            f"its paired difference with every other policy is above 0 at 95% and not wholly within {TOLERANCE:g}%, under every "
+            "reading of the throughput: "
             + ", ".join(readings) + " (paper: high only)): "
             + " ".join(job_sentence(m, levels) for m, levels in in_order(result["envelope"]).items()))
 
 
 def _margin(c: dict) -> str:
+    """A reading's answer in a table cell: the leader and its margin over the runner-up, or the policies within noise
+    of the best (with their differences)."""
     if c["second"] is None:
         return f"`{c['best']}`"
-    m = c["margin"][c["second"]]
-    d = f"{percent_of(m['d']):+.1f}% [{percent_of(m['lo']):+.1f}, {percent_of(m['hi']):+.1f}]" if np.isfinite(m["lo"]) else "unbounded"
-    return (f"`{c['best']}` {d} over `{c['second']}`" if c["leads"]
-            else f"tied: `{c['best']}` ({d} over `{c['second']}`), " + _who(c["tied"][1:] if c["tied"][:1] == [c["second"]] else c["tied"]))
+
+    def diff(p: str) -> str:
+        m = c["margin"][p]
+        return f"{percent_of(m['d']):+.1f}% [{percent_of(m['lo']):+.1f}, {percent_of(m['hi']):+.1f}]" if np.isfinite(m["lo"]) else "unbounded"
+
+    if c["leads"]:
+        return f"`{c['best']}` {diff(c['second'])} over `{c['second']}`"
+    said = []
+    for words, names in (("within noise", c["tied"]), (f"equal within {c['tolerance_pct']:g}%", c["equal"])):
+        if names:
+            said.append(f"{words} " + ", ".join(f"`{p}` ({diff(p)})" for p in names[:2])
+                        + (f" and {len(names) - 2} more" if len(names) > 2 else ""))
+    return f"no lead: `{c['best']}`; " + "; ".join(said)
 
 
 def percent_of(points: float) -> float:
@@ -218,13 +239,39 @@ def null_paragraph(result: dict) -> str:
                f"{noise['sd']:.2f} log points, {noise['df']} df, {noise['runs']} runs)." if noise else "."))
 
 
+def _tie_words(c: dict) -> str:
+    """Who keeps a policy of highest G from leading: within noise, or equal within the tolerance."""
+    return "; ".join(f"{words} {_tied(names)}" for words, names in (("within noise", c["tied"]),
+                     (f"equal within {c['tolerance_pct']:g}%", c["equal"])) if names)
+
+
+def map_answer(result: dict) -> str:
+    """What the map says, counted: the policies of highest goodput in how many cells, the range of their margin over
+    the next policy, and MeCeFO's G against the best."""
+    pts = result["map"]
+    groups: dict[str, list[dict]] = {}
+    for p in pts:
+        groups.setdefault(", ".join(f"`{x}`" for x in sorted(p["group"])), []).append(p)
+    said = []
+    for g, ps in groups.items():
+        d = [percent_of(p["margin"]["d"]) for p in ps if p["margin"] is not None and np.isfinite(p["margin"]["d"])]
+        said.append(f"{g} in {len(ps)} cells" + (f" ({min(d):+.1f}% to {max(d):+.1f}% over the next policy)" if d else ""))
+    mine = [100 * (p["goodput"]["mecefo"] / p["goodput"][p["best"]] - 1) for p in pts if "mecefo" in p["goodput"]]
+    clamped = sum(bool(p["clamped"]) for p in pts)
+    led = sum(p["leads"] for p in pts)
+    return (f"one policy leads in {led} of the map's {len(pts)} cells; the highest goodput, with those not separable from it "
+            f"(within noise or {TOLERANCE:g}%): " + "; ".join(said)
+            + (f"; MeCeFO's G is {min(mine):+.1f}% to {max(mine):+.1f}% against the best" if mine else "")
+            + (f"; in {clamped} a q is held beyond the measured fractions" if clamped else "") + ".")
+
+
 def scale_answer(scale: dict) -> str:
     """Per size: the policy of highest goodput at Llama 3's rate, whether it leads, and MeCeFO's."""
     said = []
     for size in sorted(scale["sizes"], key=int):
         cells, w = scale["sizes"][size]["policies"], scale["sizes"][size]["leaders"]
         said.append(f"{int(size):,}: `{w['best']}` {_pct(cells[w['best']]['goodput'])}"
-                    + (" (leads)" if w["leads"] else f" (tied with {_who(w['tied'])})")
+                    + (" (leads)" if w["leads"] else f" (no lead: {_tie_words(w)})")
                     + f", `mecefo` {_pct(cells['mecefo']['goodput'])}")
     clamped = {p: f for s in scale["sizes"].values() for p, f in s["clamped"].items()}
     held = ("" if not clamped else " Beyond the largest failed fraction measured for " + ", ".join(
@@ -233,29 +280,35 @@ def scale_answer(scale: dict) -> str:
 
 
 def map_figure(result: dict):
-    """Per recovery time: the leader over GPUs x a GPU's MTBF, its margin over the runner-up (hatched: tied)."""
+    """Per recovery time, over GPUs x a GPU's MTBF: the policies of highest goodput (the best and those not separable
+    from it), their margin over the next policy, and MeCeFO's G against the best."""
     pts, grid = result["map"], result["map_grid"]
     recs = grid["recovery_h"]
-    fig, axes = plt.subplots(1, len(recs), figsize=(4.6 * len(recs), 4.2), squeeze=False)
-    names = sorted({p["best"] for p in pts})
-    cycle = plt.get_cmap("tab10").colors
-    colors = {p: cycle[i % len(cycle)] for i, p in enumerate(names)}
+    fig, axes = plt.subplots(1, len(recs), figsize=(4.8 * len(recs), 4.6), squeeze=False)
+    groups = sorted({", ".join(sorted(p["group"])) for p in pts})
+    cycle = plt.get_cmap("Pastel1").colors
+    colors = {g: cycle[i % len(cycle)] for i, g in enumerate(groups)}
     gpus, mtbf = list(grid["gpus"]), list(grid["gpu_mtbf_h"])
     for ax, rec in zip(axes[0], recs):
         for p in (p for p in pts if p["recovery_h"] == rec):
             i, j = gpus.index(p["gpus"]), mtbf.index(p["gpu_mtbf_h"])
-            ax.add_patch(plt.Rectangle((i - 0.5, j - 0.5), 1, 1, color=colors[p["best"]], alpha=0.8 if p["leads"] else 0.35,
-                                       hatch=None if p["leads"] else "//", lw=0))
+            key = ", ".join(sorted(p["group"]))
+            ax.add_patch(plt.Rectangle((i - 0.5, j - 0.5), 1, 1, color=colors[key], lw=0))
             m = p["margin"]
-            text = "" if m is None or not np.isfinite(m["lo"]) else f"{percent_of(m['d']):+.1f}%"
-            ax.text(i, j, f"{p['best']}\n{text}" + ("\n(tied)" if not p["leads"] else "") + ("*" if p["clamped"] else ""),
-                    ha="center", va="center", fontsize=6.5)
+            lines = ["\n".join(p["group"][:3]) + (f"\n+{len(p['group']) - 3} more" if len(p["group"]) > 3 else "")]
+            if m is not None and np.isfinite(m["lo"]):
+                lines.append(f"{percent_of(m['d']):+.1f}% [{percent_of(m['lo']):+.1f}, {percent_of(m['hi']):+.1f}]\nover {p['next']}")
+            if "mecefo" in p["goodput"] and "mecefo" not in p["group"]:
+                lines.append(f"mecefo {100 * (p['goodput']['mecefo'] / p['goodput'][p['best']] - 1):+.1f}%")
+            ax.text(i, j, "\n".join(lines) + ("*" if p["clamped"] else ""), ha="center", va="center", fontsize=5.5)
         ax.set(xlim=(-0.5, len(gpus) - 0.5), ylim=(-0.5, len(mtbf) - 0.5), xticks=range(len(gpus)), yticks=range(len(mtbf)),
                xticklabels=[f"{g:,}" for g in gpus], yticklabels=[f"{m:,.0f}" for m in mtbf], xlabel="GPUs",
                title=f"failed GPU down {rec:g} h")
+        ax.grid(False)
     axes[0][0].set_ylabel("a GPU's mean time between failures, h")
-    fig.suptitle("Highest goodput (simulated 7B job, weak scaling; margin over the runner-up; hatched: not ahead at 95%; "
-                 "*: q held beyond the measured fractions)", fontsize=9)
+    fig.suptitle("Highest goodput, simulated 7B job (weak scaling): the best policies (not separable at 95% or within "
+                 f"{TOLERANCE:g}%), their margin over the next, MeCeFO against the best (*: q held beyond the measured)",
+                 fontsize=8)
     fig.tight_layout()
     return fig
 
@@ -289,10 +342,10 @@ def report(result: dict) -> tuple[str, str]:
         "job, against the failure-free job's throughput: each policy's own failure-free overhead, e.g. Bamboo's redundant "
         "computation, taken from the same scaling job):",
         "", *head, "", scale_answer(scale), "",
-        "Where the leader changes, over GPUs, a GPU's mean time between failures and how long a failed GPU stays down "
-        "(the same 7B job, simulated reading):", "",
         "![goodput frontier](docs/figures/goodput_frontier.png)", "![goodput against the failure rate](docs/figures/goodput_rate.png)",
-        "![where the leader changes](docs/figures/goodput_map.png)"])
+        "", "Where the leader changes, over GPUs, a GPU's mean time between failures and how long a failed GPU stays down "
+        "(the scaling experiment's 7B job, simulated reading; every policy's G against the same failure-free job): "
+        + map_answer(result), "", "![where the leader changes](docs/figures/goodput_map.png)"])
     return "# Goodput\n\n" + section + "\n", section
 
 

@@ -87,8 +87,9 @@ def goodput(result: dict | None) -> str:
     from .goodput import job_sentence  # matplotlib only when there is a result to render
 
     return ("- **Which policy reaches failure-free quality first (goodput = throughput kept x quality per token, not in the "
-            "paper; a policy \"leads\" only if it is ahead at 95% under every reading of the throughput, else the deciding "
-            "readings are named; Results: goodput):** "
+            "paper; a policy \"leads\" only if it is ahead at 95%, and not only by less than 1%, under every reading of the "
+            "throughput: simulated, fitted baselines, no barrier, spares for every policy, per provisioned GPU, the paper's "
+            "drops; else what each reading gives; Results: goodput):** "
             + " ".join(job_sentence(m, levels) for m, levels in in_order(result["envelope"]).items()))
 
 

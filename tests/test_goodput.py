@@ -103,7 +103,8 @@ def _result(names, eff):
             "scale": {"scenario": {"name": "x", "interval_h": 1.0, "recovery_h": 1.0}, "run_failed_fraction": 0.0, "max_q_gap": 0.0,
                       "sizes": {"32": {"policies": sized, "leaders": lead, "clamped": {}}}},
             "map": [{"gpus": 32, "gpu_mtbf_h": 10.0, "recovery_h": 1.0, "failed_fraction": 0.01, "best": names[0], "leads": False,
-                     "tied": names[1:2], "goodput": {}, "margin": {"d": 1.0, "lo": -0.5, "hi": 2.5}, "clamped": {}}],
+                     "tied": names[1:2], "equal": [], "group": names[:2], "next": names[2], "goodput": {p: 1.0 for p in names},
+                     "margin": {"d": 1.0, "lo": -0.5, "hi": 2.5}, "clamped": {}}],
             "map_grid": {"gpus": [32], "gpu_mtbf_h": [10.0], "recovery_h": [1.0]}}
 
 
@@ -186,6 +187,19 @@ def test_a_single_seed_without_pooled_noise_never_leads():
     assert envelope.compare(cells, noise)["leads"] is True
 
 
+def test_a_lead_wholly_within_the_tolerance_is_no_lead():
+    """Ahead at 95% by less than 1% for sure is equal for an operator's choice; ahead with room above 1% leads."""
+    cells = {"a": _cell(1.004, se=0.05), "b": _cell(1.0, se=0.05)}  # +0.4% [+0.26, +0.54]
+    c = envelope.compare(cells, None)
+    assert (c["leads"], c["equal"], c["tied"]) == (False, ["b"], [])
+    assert envelope.verdict({"spares": c})["outcomes"] == {"tied: a, b": ["spares"]}
+    cells["a"]["kept"] = 1.02  # +2.0%
+    assert envelope.compare(cells, None)["leads"] is True
+    cells["a"]["se"] = 1.5  # +2.0% [-0.9, +5.0]: not decided
+    c = envelope.compare(cells, None)
+    assert (c["leads"], c["equal"], c["tied"]) == (False, [], ["b"])
+
+
 def test_the_paired_difference_against_an_independent_computation():
     from scipy import stats
 
@@ -200,6 +214,8 @@ def test_the_paired_difference_against_an_independent_computation():
     assert x["d"] == pytest.approx(100 * math.log(0.8 / 0.7) + 1 / 3)
     assert x["half"] == pytest.approx(stats.t.ppf(0.975, 17) * math.sqrt(0.4 ** 2 + 2.0 ** 2 / 6))
     assert envelope.paired(_cell(0.8, {0: 1.0}), _cell(0.7, {1: 1.0}), noise)["half"] == math.inf  # no common seed
+    near = a | {"q_var": 0.01}  # q interpolated close to failure-free: a tenth of the noise
+    assert envelope.paired(near, _cell(0.7), noise)["half"] == pytest.approx(stats.t.ppf(0.975, 17) * math.sqrt(0.4 ** 2 + 0.01 * 2.0 ** 2 / 6))
 
 
 def test_a_policy_leads_only_where_every_reading_agrees():
@@ -214,7 +230,7 @@ def test_a_policy_leads_only_where_every_reading_agrees():
               "high": {"verdict": v}}
     said = job_sentence("llama-7b", levels)
     assert said.startswith("**llama-7b**: `a` leads at low and mid under every reading; at high the reading decides")
-    assert "`b` under no-barrier" in said and "no lead (`a`, `b` tied) under spares" in said
+    assert "`b` under no-barrier" in said and "no lead under spares" in said
 
 
 def test_the_readings_of_the_throughput():
@@ -255,10 +271,10 @@ def test_drop_is_trained_at_the_lost_fraction_it_is_read_at(target, level):
 
 def test_q_is_interpolated_per_seed_and_held_beyond_the_measured():
     points = [(0.1, {0: -10.0, 1: -20.0}), (0.4, {0: -40.0, 2: 0.0})]
-    assert envelope.interp_log_q(points, 0.05) == ({0: -5.0, 1: -10.0}, False)
-    v, held = envelope.interp_log_q(points, 0.25)
-    assert v == pytest.approx({0: -25.0}) and not held  # seeds both bracketing points have
-    assert envelope.interp_log_q(points, 0.5) == ({0: -40.0, 2: 0.0}, True)
+    assert envelope.interp_log_q(points, 0.05) == ({0: -5.0, 1: -10.0}, False, 0.25)  # half way from q = 1: w^2
+    v, held, factor = envelope.interp_log_q(points, 0.25)
+    assert v == pytest.approx({0: -25.0}) and not held and factor == pytest.approx(0.5)  # seeds both bracketing points have
+    assert envelope.interp_log_q(points, 0.5) == ({0: -40.0, 2: 0.0}, True, 1.0)
 
 
 def test_the_null_control_fails_on_a_biased_pipeline():
@@ -267,3 +283,28 @@ def test_the_null_control_fails_on_a_biased_pipeline():
     biased = goodput.pooled_interval({"q": {"values": [0.97, 0.975, 0.968]}}, noise)
     assert fair["ci95"][0] <= 1 <= fair["ci95"][1] and not biased["ci95"][0] <= 1 <= biased["ci95"][1]
     assert goodput.pooled_interval({"q": {"values": [0.97]}}, None)["ci95"] == [-math.inf, math.inf]
+
+
+def test_the_envelope_reads_q_at_each_readings_failed_fraction():
+    """Under every reading but `spares` q is the level's (drop on 7B: its runs at 7B's lost fraction); under `spares`
+    a failed GPU's place is empty for a spare's wait only, so q is read near failure-free."""
+    names = policies.simulator_policies()
+    t = _throughput(names)
+    sim = {"spares": {"llama-7b": {lv: {p: {"mean": 99.0, "ci95": [98.0, 100.0]} for p in names} for lv in goodput.LEVELS}}}
+    measured = _measured(["mecefo", "drop"], 0.9)
+    transfer = _measured(["drop"], 0.7)
+    noise = Noise(sd=1.0, df=20, upper=2.0, level=0.95, runs=30)
+    env = goodput.envelope(t, sim, measured, transfer, noise, warm=1.0)["llama-7b"]
+    high = env["high"]
+    assert list(high["by_reading"]) == list(envelope.READINGS)  # the paper's reading at high
+    assert "paper" not in env["low"]["by_reading"]
+    sim_g = high["by_reading"]["simulated"]["goodput"]
+    assert sim_g["mecefo"] == pytest.approx(high["readings"]["simulated"]["mecefo"]["kept"] * 0.9)
+    assert sim_g["drop"] == pytest.approx(high["readings"]["simulated"]["drop"]["kept"] * 0.7)  # the transfer runs
+    spares_g = high["by_reading"]["spares"]["goodput"]
+    from experiments.goodput_sim import with_spares
+    from experiments.throughput import PAPER_JOBS
+
+    f = with_spares("high", PAPER_JOBS["llama-7b"]).expected_failed_fraction()  # _measured's low level: 2% at q 0.9
+    assert spares_g["mecefo"] == pytest.approx(0.99 * math.exp(f / 0.02 * math.log(0.9)))
+    assert high["verdict"]["leader"] is None or all(c["leads"] for c in high["by_reading"].values())
