@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     extra = train_extra(prof, throughput)
     transfer = quality_of_runs([e for e in extra if e["cohort"] == "transfer"], curves)
     null = quality_of_runs([e for e in extra if e["cohort"] == "null"], curves)
-    noise = pooled_noise({"sweep": measured, "transfer": transfer, "null": null})
+    noise = pooled_noise({"sweep": measured, "transfer": transfer})  # the null control is judged by it, not part of it
     for cohort in (measured, transfer, null):
         for levels in cohort.values():
             for m in levels.values():

@@ -234,7 +234,7 @@ def null_paragraph(result: dict) -> str:
             + ("1 within its interval" if v["holds"] else "**1 outside its interval: the pipeline is biased**")
             for p, levels in result["null_control"].items() for lv, v in levels.items()]
     noise = result["noise"]
-    return ("Null control: an exact policy trained through the same pipeline must give q = 1. " + "; ".join(said)
+    return ("Null control: an exact policy trained through the same pipeline must give q = 1 (it checks the token accounting, the fit and its reading; `spread` trains the failure-free samples, so its loss differs from the failure-free run only by the order of floating-point sums). " + "; ".join(said)
             + (f". Intervals of q use the noise pooled over every trained cell (sd of a paired difference "
                f"{noise['sd']:.2f} log points, {noise['df']} df, {noise['runs']} runs)." if noise else "."))
 
