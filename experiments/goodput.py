@@ -23,9 +23,9 @@ share of the failure-free job's progress a policy keeps (an ETTR-style ratio); t
 run's quality is 1/G times the failure-free time. The quality is measured on our CPU model, the throughput
 simulated for the paper's jobs: the combination assumes that q at a failed fraction carries over from the small
 model to the paper's. q is read at each job's own fraction: the sweep's runs at the level for every policy, and
-for drop on TRANSFER_JOB (where a failed GPU takes its replica's samples) runs trained here at the fraction of
-samples it loses there (transfer_spec); what carrying the level's q per token or per step over would give
-instead is reported beside it (drop_readings). q's intervals use the seed-to-seed noise pooled over every trained
+for drop on TRANSFER_JOB (where a failed GPU takes its replica's samples) q read at the share of samples it loses
+there, between drop's runs: the level's and those trained here near that share (transfer_spec; drop_at); what
+carrying the level's q per token or per step over would give instead is reported beside it (drop_readings). q's intervals use the seed-to-seed noise pooled over every trained
 cell (pooled_noise, Table 3's model); the null control (NULL_CONTROL, exact, trained at high) must give q = 1
 within its interval. G under every reading of the throughput, the paired comparisons and the verdict:
 experiments.goodput_envelope.
@@ -72,6 +72,8 @@ def transfer_spec(level: str, target: float) -> str:
     ranks are down in steady state (Little's law). On 7B a failed GPU takes its replica of 4 GPUs: a replica fails
     about 4 times as often as a GPU and stays down as long, which is what the shorter interval does to a rank."""
     rec = failures.SCENARIOS[level].recovery_h
+    if not 0 < round(target, 3) <= 1:
+        raise ValueError(f"a lost fraction of {target} cannot be trained")
     return f"custom:{rec / (failures.REFERENCE_RANKS * round(target, 3)):.6g}:{rec:g}"  # 3 digits: a rerun of the simulation keeps the runs
 
 
@@ -82,7 +84,7 @@ def lost_by_drop(throughput: dict, job: str = TRANSFER_JOB) -> dict[str, float]:
 
 
 def extra_cells(prof: str, throughput: dict) -> list[tuple[str, str, "sweep.Cell"]]:
-    """(cohort, level, cell) of the runs trained for goodput beside the sweep's: drop at TRANSFER_JOB's lost
+    """(cohort, level, cell) of the runs trained for goodput beside the sweep's: drop near TRANSFER_JOB's lost
     fraction of each level ("transfer"; the sweep's seeds, its high-level seeds at high), and the null control
     (NULL_CONTROL at high, the high-level seeds)."""
     d = sweep.DESIGNS[prof]
@@ -196,32 +198,58 @@ def pooled_noise(cohorts: dict[str, dict]):
         return None
 
 
-def pooled_interval(m: dict, noise) -> dict:
-    """q's geometric mean over seeds and its 95% interval with the pooled noise (unbounded without it)."""
+def pooled_interval(m: dict, noise, factor: float = 1.0) -> dict:
+    """q's geometric mean over seeds and its 95% interval with the pooled noise (unbounded without it): 100 ln q is a
+    paired difference (a run against its seed's failure-free run), of variance sd^2 per seed (times `factor` for an
+    interpolated q)."""
     logs = 100 * np.log(m["q"]["values"])
     if noise is None:
         return {"mean": float(np.exp(logs.mean() / 100)), "ci95": [-math.inf, math.inf]}
-    half = interval_half_width(noise.sd / math.sqrt(2), len(logs), df=noise.df)  # one configuration: s_e, not sqrt(2) s_e
+    half = math.sqrt(factor) * interval_half_width(noise.sd, len(logs), df=noise.df)
     return {"mean": float(np.exp(logs.mean() / 100)), "ci95": [float(np.exp((logs.mean() - half) / 100)),
                                                               float(np.exp((logs.mean() + half) / 100))]}
 
 
-def quality_of(policy: str, level: str, measured: dict, model: str | None = None, transfer: dict | None = None) -> dict | None:
-    """q for a registry policy at a level of a job: 1 for an exact one (by construction); for drop on TRANSFER_JOB
-    the runs at the samples it loses there (`transfer`); else the sweep's runs at the level; None where none was
-    made. Its interval is the pooled one where the measurement has it."""
+def samples_lost(throughput: dict, level: str, job: str = TRANSFER_JOB) -> float:
+    """The share of samples drop loses on `job` at `level` while it steps (1 - kept / the share of the failure-free
+    step rate it keeps: its pauses are not lost samples)."""
+    row = throughput["table2"][job]
+
+    def stepping(lv: str) -> float:
+        b = row[lv]["drop"]["breakdown_share"]
+        return 1 - b["pause"] - b["lost_work"]
+
+    kept = row[level]["drop"]["mean"] / row["none"][REFERENCE]["mean"]
+    return 1 - kept / (stepping(level) / stepping("none"))
+
+
+def drop_at(level: str, x: float, measured: dict, transfer: dict, noise) -> dict:
+    """drop's q on TRANSFER_JOB at `level`: interpolated at x (the CPU runs' scale: its samples lost x the share of a
+    run after the warm start) between drop's runs, the level's and those trained near 7B's lost fractions."""
+    log_q, held, factor = envelope_mod.interp_log_q(q_points("drop", measured, transfer), x)
+    q = pooled_interval({"q": {"values": [math.exp(v / 100) for v in log_q.values()]}}, noise, factor)
+    return q | {"by": "measured near the job's lost fraction (interpolated)", "log_q": log_q, "q_var": factor,
+                "x": x, "clamped": held}
+
+
+def quality_of(policy: str, level: str, measured: dict, model: str | None = None, transfer: dict | None = None,
+               read_at: dict | None = None, noise=None) -> dict | None:
+    """q for a registry policy at a level of a job: 1 for an exact one (by construction); for drop on TRANSFER_JOB,
+    with `read_at` (level -> x), drop_at; else the sweep's runs at the level; None where none was made. Its
+    interval is the pooled one where the measurement has it."""
     if policies.get(policy).exact:
         return {"mean": 1.0, "ci95": [1.0, 1.0], "by": "construction (exact policy)"}
-    source = transfer if (policy == "drop" and model == TRANSFER_JOB and transfer) else measured
-    m = source.get(policy, {}).get(level)
+    if policy == "drop" and model == TRANSFER_JOB and transfer and read_at:
+        return drop_at(level, read_at[level], measured, transfer, noise)
+    m = measured.get(policy, {}).get(level)
     if m is None:
         return None
     q = m.get("q_pooled", m["q"])
-    return {"mean": q["mean"], "ci95": q["ci95"], "by": "measured at the job's lost fraction" if source is transfer else "measured",
+    return {"mean": q["mean"], "ci95": q["ci95"], "by": "measured",
             "log_q": {s: float(100 * math.log(v)) for s, v in zip(m["seeds"], m["q"]["values"])}}
 
 
-def effective(throughput: dict, measured: dict, transfer: dict | None = None) -> dict:
+def effective(throughput: dict, measured: dict, transfer: dict | None = None, read_at: dict | None = None, noise=None) -> dict:
     """Per job, level and registry policy under the simulated reading: throughput kept, q, G, time to quality."""
     out = {}
     for model, row in throughput["table2"].items():
@@ -235,7 +263,7 @@ def effective(throughput: dict, measured: dict, transfer: dict | None = None) ->
             for policy in simulated:
                 kept = row[level][policy]["mean"] / reference
                 kept_ci = [c / reference for c in row[level][policy]["ci95"]]
-                q = quality_of(policy, level, measured, model, transfer)
+                q = quality_of(policy, level, measured, model, transfer, read_at, noise)
                 cell = {"tok_s": row[level][policy]["mean"], "kept": kept, "kept_ci95": kept_ci, "q": q}
                 if q is not None:
                     cell |= {"goodput": kept * q["mean"], "goodput_q_range": [kept * c for c in q["ci95"]],
@@ -247,7 +275,7 @@ def effective(throughput: dict, measured: dict, transfer: dict | None = None) ->
     return out
 
 
-def envelope(throughput: dict, sim: dict, measured: dict, transfer: dict, noise, warm: float) -> dict:
+def envelope(throughput: dict, sim: dict, measured: dict, transfer: dict, noise, warm: float, read_at: dict) -> dict:
     """Per job and level: every reading's throughput kept (goodput_envelope.kept_readings), its compare() of the
     policies whose q is known, and the verdict over the readings. Under `spares` a failed GPU's place is empty for
     a spare's wait only, so q is read at that reading's far smaller failed fraction (scale_cells; `warm`: the share
@@ -261,17 +289,19 @@ def envelope(throughput: dict, sim: dict, measured: dict, transfer: dict, noise,
         out[model] = {}
         for level in LEVELS:
             readings = envelope_mod.kept_readings(throughput, sim, model, level, paper)
-            q = {p: quality_of(p, level, measured, model, transfer) for p in readings["simulated"]}
+            q = {p: quality_of(p, level, measured, model, transfer, read_at, noise) for p in readings["simulated"]}
             known = [p for p in q if q[p] is not None]
-            by = {r: envelope_mod.compare({p: kept[p] | {"log_q": q[p].get("log_q")} for p in known if p in kept}, noise)
+            by = {r: envelope_mod.compare({p: kept[p] | {"log_q": q[p].get("log_q"), "q_var": q[p].get("q_var", 1.0)}
+                                           for p in known if p in kept}, noise)
                   for r, kept in readings.items() if r != "spares"}
             f_spares = goodput_sim.with_spares(level, PAPER_JOBS[model]).expected_failed_fraction()
-            cells, _ = scale_cells(readings["spares"], f_spares, warm, measured, transfer if model == TRANSFER_JOB else {},
-                                   PAPER_JOBS[model].pp)
+            cells, clamped = scale_cells(readings["spares"], f_spares, warm, measured, transfer if model == TRANSFER_JOB else {},
+                                         PAPER_JOBS[model].pp)
             by["spares"] = envelope_mod.compare(cells, noise)
             by = {r: by[r] for r in readings}  # in READINGS' order
             out[model][level] = {"readings": readings, "by_reading": by, "verdict": envelope_mod.verdict(by),
-                                 "not_measured": [p for p in q if q[p] is None]}
+                                 "not_measured": [p for p in q if q[p] is None], "spares_clamped": clamped,
+                                 "clamped": [p for p in q if q[p] is not None and q[p].get("clamped")]}
     return out
 
 
@@ -304,9 +334,15 @@ def scale_cells(kept: dict, gpu_fraction: float, warm: float, measured: dict, tr
     return cells, clamped
 
 
-def kept_cell(mean: float, ci95: list[float]) -> dict:
+def kept_cell(mean: float, ci95: list[float], seeds: int | None = None) -> dict:
     """A simulated throughput kept as scale_cells takes it: mean and standard error in log points."""
-    return {"kept": mean, "se": envelope_mod._se({"mean": mean, "ci95": ci95}, 1.0)}
+    return {"kept": mean, "se": envelope_mod._se({"mean": mean, "ci95": ci95, "seeds": seeds}, 1.0)}
+
+
+def spares_held(policy: str, f: float) -> float:
+    """GPUs provisioned per job GPU: 1 + f for a policy that holds spares (checkpoint-restart: f of the job's GPUs
+    down on average, Little's law), else 1; at scale and on the map G is per provisioned GPU."""
+    return 1 + f if policy in envelope_mod.SPARES else 1.0
 
 
 def at_scale(throughput: dict, measured: dict, base_cfg, own: dict, noise, transfer: dict | None = None) -> dict:
@@ -321,7 +357,9 @@ def at_scale(throughput: dict, measured: dict, base_cfg, own: dict, noise, trans
     sizes = {}
     for gpus, cells in throughput["scaling"]["results"].items():
         ff = own[gpus]
-        kept = {p: kept_cell(c["retained"] * ff[p] / ff[REFERENCE], [x * ff[p] / ff[REFERENCE] for x in c["ci95"]])
+        f = scenario.expected_failed_fraction()
+        kept = {p: kept_cell(c["retained"] * ff[p] / ff[REFERENCE] / spares_held(p, f),
+                             [x * ff[p] / ff[REFERENCE] / spares_held(p, f) for x in c["ci95"]])
                 for p, c in cells.items() if p in policies.simulator_policies() and p in ff}
         compared, clamped = scale_cells(kept, scenario.expected_failed_fraction(), warm, measured, transfer or {},
                                         PAPER_JOBS[TRANSFER_JOB].pp)
@@ -341,7 +379,9 @@ def leader_map(sim: dict, measured: dict, base_cfg, noise, transfer: dict) -> li
     warm = (base_cfg.train.steps - base_cfg.cluster.failure_free_steps) / base_cfg.train.steps
     out = []
     for pt in sim["map"]:
-        kept = {p: kept_cell(v["mean"], v["ci95"]) for p, v in pt["kept"].items() if p in policies.simulator_policies()}
+        f = pt["failed_fraction"]
+        kept = {p: kept_cell(v["mean"] / spares_held(p, f), [c / spares_held(p, f) for c in v["ci95"]], sim["map_grid"]["seeds"])
+                for p, v in pt["kept"].items() if p in policies.simulator_policies()}
         cells, clamped = scale_cells(kept, pt["failed_fraction"], warm, measured, transfer, PAPER_JOBS[TRANSFER_JOB].pp)
         c = envelope_mod.compare(cells, noise)
         group = [p for p in c["goodput"] if p == c["best"] or p in c["tied"] or p in c["equal"]]  # not separable from the best
@@ -352,12 +392,11 @@ def leader_map(sim: dict, measured: dict, base_cfg, noise, transfer: dict) -> li
     return out
 
 
-def drop_readings(throughput: dict, measured: dict, transfer: dict) -> dict:
-    """Per level, drop's G on TRANSFER_JOB three ways: measured (q from the runs at the samples it loses there), and
+def drop_readings(throughput: dict, measured: dict, eff: dict, warm: float) -> dict:
+    """Per level, drop's G on TRANSFER_JOB three ways: measured (q read at the samples it loses there, drop_at), and
     the two transfers the measurement replaces: q per trained token from the level's runs (per token), and the
     failure-free steps a step is worth from them x the share of the failure-free step rate kept (per step)."""
     row, lost = throughput["table2"][TRANSFER_JOB], lost_by_drop(throughput)
-    ref = row["none"][REFERENCE]["mean"]
 
     def stepping(level: str) -> float:
         b = row[level]["drop"]["breakdown_share"]
@@ -365,13 +404,13 @@ def drop_readings(throughput: dict, measured: dict, transfer: dict) -> dict:
 
     out = {}
     for lv in LEVELS:
-        kept, m, t = row[lv]["drop"]["mean"] / ref, measured.get("drop", {}).get(lv), transfer.get("drop", {}).get(lv)
-        out[lv] = {"lost_simulated": lost[lv], "spec": transfer_spec(lv, lost[lv]), "kept": kept,
-                   "steps_kept": stepping(lv) / stepping("none"),
-                   "cpu_failed_fraction": None if t is None else t["failed_fraction"],
-                   "measured": None if t is None else kept * t["q_pooled"]["mean"],
-                   "measured_range": None if t is None else [kept * c for c in t["q_pooled"]["ci95"]],
-                   "per_token": None if m is None else kept * m["q_pooled"]["mean"],
+        cell, m = eff[TRANSFER_JOB]["levels"][lv]["drop"], measured.get("drop", {}).get(lv)
+        q = cell["q"]
+        out[lv] = {"lost_simulated": lost[lv], "samples_lost": samples_lost(throughput, lv), "spec": transfer_spec(lv, lost[lv]),
+                   "kept": cell["kept"], "steps_kept": stepping(lv) / stepping("none"), "read_at": warm * samples_lost(throughput, lv),
+                   "measured": None if q is None else cell["goodput"], "q": q,
+                   "measured_range": None if q is None else cell["goodput_q_range"],
+                   "per_token": None if m is None else cell["kept"] * m["q_pooled"]["mean"],
                    "per_step": None if m is None else stepping(lv) / stepping("none") * m["steps_fraction"]["mean"]}
     return out
 
@@ -400,9 +439,11 @@ def main(argv: list[str] | None = None) -> int:
                                              "seeds": m["seeds"], "steps_fraction": m["steps_fraction"],
                                              "failed_fraction": m["failed_fraction"]}
                         for lv, m in levels.items()} for p, levels in null.items()}
-    eff = effective(throughput, measured, transfer)
     d = sweep.DESIGNS[prof]
     base_cfg = sweep.cell_config(d.base, sweep.Cell(d.n, "none", "none", 0))
+    warm = (base_cfg.train.steps - base_cfg.cluster.failure_free_steps) / base_cfg.train.steps  # the CPU runs' failing share
+    read_at = {lv: warm * samples_lost(throughput, lv) for lv in LEVELS}  # drop on TRANSFER_JOB, at the CPU runs' scale
+    eff = effective(throughput, measured, transfer, read_at, noise)
     compared = {lv: {"cpu_failed_fraction": float(np.mean([measured[p][lv]["failed_fraction"] for p in measured if lv in measured[p]])),
                      "simulated_failed_fraction": failures.SCENARIOS[lv].expected_failed_fraction(),
                      "drop_samples_lost_cpu": 1 - measured["drop"][lv]["steps_fraction"]["mean"] / measured["drop"][lv]["q"]["mean"]
@@ -412,9 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"profile": prof, "n": d.n, "curves": {str(k): v for k, v in curves.items()}, "quality": measured,
               "transfer": transfer, "transfer_runs": extra, "null_control": null_control,
               "noise": None if noise is None else {"sd": noise.sd, "df": noise.df, "runs": noise.runs},
-              "comparability": compared, "drop_readings": drop_readings(throughput, measured, transfer),
-              "effective": eff, "envelope": envelope(throughput, sim, measured, transfer, noise,
-                                                     (base_cfg.train.steps - base_cfg.cluster.failure_free_steps) / base_cfg.train.steps),
+              "comparability": compared, "drop_readings": drop_readings(throughput, measured, eff, warm), "warm_share": warm,
+              "effective": eff, "envelope": envelope(throughput, sim, measured, transfer, noise, warm, read_at),
               "scale": at_scale(throughput, measured, base_cfg, sim["own_failure_free"], noise, transfer),
               "map": leader_map(sim, measured, base_cfg, noise, transfer), "map_grid": sim["map_grid"],
               "throughput_sources_digest": throughput["sources_digest"], "goodput_sim_digest": sim["sources_digest"],

@@ -10,7 +10,8 @@ Readings of the throughput kept (tokens/s under the failures against the failure
                  Bamboo column, Oobleck's recovered GPUs rejoining at the next failure
     no-barrier   Table 2's reading A: a neighbour slows only itself, so a policy that covers a failed GPU with a
                  neighbour at step-time factor alpha keeps 1 - 2 f (1 - 1/alpha) of its failure-free throughput
-                 at the failed fraction f; the others as simulated
+                 at the failed fraction f; the others as simulated (a policy that spreads the work slows every
+                 survivor alike, so a barrier costs it nothing more; one that pauses or drops has no slow GPU)
     spares       Table 2's reading B for every policy: each failed GPU replaced by a spare after the wait
                  checkpoint-restart gets (experiments.goodput_sim): the same spare pool for all
     provisioned  simulated, per provisioned GPU: checkpoint-restart holds f of the job's GPUs as spares on
@@ -20,9 +21,9 @@ Readings of the throughput kept (tokens/s under the failures against the failure
 
 Paired difference of policies P and Q (in log points, the scale Table 3 decides on):
     d = 100 ln(G_P / G_Q) = 100 ln(kept_P / kept_Q) + mean over common seeds s of 100 ln(q_P,s / q_Q,s)
-Var d = the pooled noise of q over the k seeds (sd^2 / k when both are trained, sd^2 / (2 k) when one is: sd is
-a paired difference's) + each simulated throughput's squared standard error; a 95% t-interval with the pooled
-df. P leads when, against every other policy, the interval's lower bound is above 0 and its upper bound above
+Var d = the pooled noise of q over the k seeds, sd^2 / k (sd: a paired difference's; 100 ln q is one, a run
+against its seed's failure-free run, and two trained policies' failure-free runs cancel) + each simulated
+throughput's squared standard error; a 95% t-interval with the pooled df. P leads when, against every other policy, the interval's lower bound is above 0 and the difference above
 TOLERANCE (an interval wholly within +-TOLERANCE: equal for an operator's choice, no lead). A difference whose q
 noise is unknown (no pooled df) is unbounded: it never gives a lead.
 """
@@ -50,11 +51,16 @@ TOLERANCE = 1.0  # percent of G: policies whose paired difference lies within +-
 
 
 def _se(v: dict, base: float) -> float:
-    """A simulated throughput's standard error relative to its mean, in log points (from its 95% interval)."""
+    """A simulated throughput's standard error relative to its mean, in log points, from its 95% t-interval over
+    v["seeds"] seeds (1.96 where the count is not given). A missing interval (one seed) is unbounded: inf."""
     lo, hi = v["ci95"]
-    if not (math.isfinite(lo) and math.isfinite(hi)) or v["mean"] <= 0:
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return math.inf
+    if v["mean"] <= 0:
         return 0.0
-    return 100 * (hi - lo) / (2 * 1.96 * v["mean"])
+    n = v.get("seeds")
+    quantile = 1.96 if not n else float(sps.t.ppf(0.975, n - 1))
+    return 100 * (hi - lo) / (2 * quantile * v["mean"])
 
 
 def kept_readings(throughput: dict, sim: dict, model: str, level: str, paper_drops: dict) -> dict:
@@ -96,8 +102,10 @@ def paired(a: dict, b: dict, noise) -> dict:
     if not seeds or noise is None:
         return {"d": math.nan, "half": math.inf, "seeds": seeds}
     d += float(np.mean([sum((1 if c is a else -1) * c["log_q"][s] for c in trained) for s in seeds]))
-    # a configuration's mean over k seeds has variance s_e^2 / k = sd^2 / (2 k) (sd: a paired difference's)
-    var += sum(c.get("q_var", 1.0) for c in trained) * noise.sd ** 2 / (2 * len(seeds))
+    # 100 ln q is itself a paired difference (a run against its seed's failure-free run): sd^2 per seed. Two trained
+    # policies share that failure-free run, which cancels: their difference is again one pair's, sd^2 per seed.
+    factor = (sum(c.get("q_var", 1.0) for c in trained) / 2) if len(trained) == 2 else trained[0].get("q_var", 1.0)
+    var += factor * noise.sd ** 2 / len(seeds)
     return {"d": d, "half": float(sps.t.ppf(0.975, noise.df) * math.sqrt(var)), "seeds": seeds}
 
 
@@ -107,17 +115,17 @@ def goodput_of(cell: dict) -> float:
 
 
 def compare(cells: dict, noise, tolerance: float = TOLERANCE) -> dict:
-    """The policy of highest G and how it stands against each other policy Q, from the paired difference's 95%
-    interval [lo, hi] (log points): ahead when lo > 0 and hi above the tolerance; `equal` (within the tolerance)
+    """The policy of highest G and how it stands against each other policy Q, from the paired difference d and its
+    95% interval [lo, hi] (log points): ahead when lo > 0 and d above the tolerance; `equal` (within the tolerance)
     when the whole interval lies within +-tolerance; else `tied` (not decided; a NaN or unbounded difference
-    always is). It leads when it is ahead of every other policy."""
+    always is). It leads when it is ahead of every other policy (and there is another policy)."""
     tol = float(log_points(tolerance))
     ranked = sorted(cells, key=lambda p: -goodput_of(cells[p]))
     best = ranked[0]
     diffs = {p: paired(cells[best], cells[p], noise) for p in ranked[1:]}
     equal = [p for p, x in diffs.items() if -tol <= x["d"] - x["half"] and x["d"] + x["half"] <= tol]
-    tied = [p for p, x in diffs.items() if p not in equal and not (x["d"] - x["half"] > 0 and x["d"] + x["half"] > tol)]
-    return {"best": best, "goodput": {p: goodput_of(cells[p]) for p in ranked}, "leads": not tied and not equal,
+    tied = [p for p, x in diffs.items() if p not in equal and not (x["d"] - x["half"] > 0 and x["d"] > tol)]
+    return {"best": best, "goodput": {p: goodput_of(cells[p]) for p in ranked}, "leads": bool(diffs) and not tied and not equal,
             "tied": tied, "equal": equal, "tolerance_pct": tolerance, "second": ranked[1] if len(ranked) > 1 else None,
             "margin": {p: {"d": x["d"], "lo": x["d"] - x["half"], "hi": x["d"] + x["half"], "seeds": x["seeds"]}
                        for p, x in diffs.items()}}
@@ -137,14 +145,15 @@ def verdict(by_reading: dict) -> dict:
 def interp_log_q(points: list[tuple[float, dict]], x: float) -> tuple[dict, bool, float]:
     """seed -> 100 ln q at failed fraction x, linear between (0, q = 1) and the measured points (x_i, seed -> 100
     ln q_i) over the seeds both bracketing points have; beyond the last point it is held there (clamped: True).
-    Also the factor on q's variance: (1 - w)^2 + w^2 between two measured points, w^2 from failure-free (exact)."""
+    Also the factor on q's per-seed variance: w^2 from failure-free (exact); between two measured points
+    (1 - w)^2 + w^2 + w (1 - w), their errors correlated 1/2 through the seed's shared failure-free run."""
     pts = [(0.0, None)] + sorted(points, key=lambda p: p[0])
     if x >= pts[-1][0]:
         return dict(pts[-1][1]), x > pts[-1][0], 1.0
     for (x0, v0), (x1, v1) in zip(pts, pts[1:]):
         if x0 <= x <= x1:
-            w = (x - x0) / (x1 - x0)
+            w = (x - x0) / (x1 - x0) if x1 > x0 else 1.0
             seeds = v1.keys() if v0 is None else v1.keys() & v0.keys()
-            factor = w ** 2 + (0.0 if v0 is None else (1 - w) ** 2)
+            factor = w ** 2 if v0 is None else (1 - w) ** 2 + w ** 2 + w * (1 - w)
             return {s: (1 - w) * (0.0 if v0 is None else v0[s]) + w * v1[s] for s in seeds}, False, factor
     raise ValueError(f"failed fraction {x} below 0")

@@ -221,12 +221,18 @@ def drop_paragraph(result: dict) -> str:
         x = r[lv]
         if x["measured"] is None:
             continue
-        said.append(f"{lv}: 7B's drop loses {100 * x['lost_simulated']:.1f}% of its samples; trained at that fraction "
-                    f"(CPU runs {100 * x['cpu_failed_fraction']:.1f}% of rank-steps over the whole run, the warm start "
-                    f"included) its G is {_pct(x['measured'])} {_range(x['measured_range'])}, where carrying the level's q per "
-                    f"trained token over gave {_pct(x['per_token'])} and carrying its steps' worth over gave {_pct(x['per_step'])}")
+        said.append(f"{lv}: drop loses {100 * x['samples_lost']:.1f}% of its samples there; q read at that fraction "
+                    f"({100 * x['read_at']:.1f}% of a CPU run's rank-steps, the warm start counted) between drop's runs "
+                    + ("(beyond the last: held) " if x["q"].get("clamped") else "")
+                    + f"is {x['q']['mean']:.3f}, so G is {_pct(x['measured'])} {_range(x['measured_range'])}, where carrying the "
+                    f"level's q per trained token over gave {_pct(x['per_token'])} and carrying its steps' worth over gave "
+                    f"{_pct(x['per_step'])}")
+    runs = result.get("transfer", {}).get("drop", {})
+    trained = ", ".join(f"{100 * m['failed_fraction']:.1f}% ({len(m['seeds'])} seeds)"
+                        for m in sorted(runs.values(), key=lambda m: m["failed_fraction"]))
     return ("`drop` on llama-7b, measured instead of assumed (a failed GPU takes its replica's samples, so drop loses "
-            "about 4 times the failed fraction of GPUs): " + "; ".join(said) + ".")
+            f"about 4 times the GPUs' failed fraction; runs trained near those fractions: {trained} of rank-steps, besides "
+            "the level's): " + "; ".join(said) + ".")
 
 
 def null_paragraph(result: dict) -> str:
@@ -256,7 +262,8 @@ def map_answer(result: dict) -> str:
     for g, ps in groups.items():
         d = [percent_of(p["margin"]["d"]) for p in ps if p["margin"] is not None and np.isfinite(p["margin"]["d"])]
         said.append(f"{g} in {len(ps)} cells" + (f" ({min(d):+.1f}% to {max(d):+.1f}% over the next policy)" if d else ""))
-    mine = [100 * (p["goodput"]["mecefo"] / p["goodput"][p["best"]] - 1) for p in pts if "mecefo" in p["goodput"]]
+    mine = [100 * (p["goodput"]["mecefo"] / p["goodput"][p["best"]] - 1) for p in pts
+            if "mecefo" in p["goodput"] and p["goodput"][p["best"]] > 0]
     clamped = sum(bool(p["clamped"]) for p in pts)
     led = sum(p["leads"] for p in pts)
     return (f"one policy leads in {led} of the map's {len(pts)} cells; the highest goodput, with those not separable from it "
@@ -298,7 +305,7 @@ def map_figure(result: dict):
             lines = ["\n".join(p["group"][:3]) + (f"\n+{len(p['group']) - 3} more" if len(p["group"]) > 3 else "")]
             if m is not None and np.isfinite(m["lo"]):
                 lines.append(f"{percent_of(m['d']):+.1f}% [{percent_of(m['lo']):+.1f}, {percent_of(m['hi']):+.1f}]\nover {p['next']}")
-            if "mecefo" in p["goodput"] and "mecefo" not in p["group"]:
+            if "mecefo" in p["goodput"] and "mecefo" not in p["group"] and p["goodput"][p["best"]] > 0:
                 lines.append(f"mecefo {100 * (p['goodput']['mecefo'] / p['goodput'][p['best']] - 1):+.1f}%")
             ax.text(i, j, "\n".join(lines) + ("*" if p["clamped"] else ""), ha="center", va="center", fontsize=5.5)
         ax.set(xlim=(-0.5, len(gpus) - 0.5), ylim=(-0.5, len(mtbf) - 0.5), xticks=range(len(gpus)), yticks=range(len(mtbf)),
@@ -326,9 +333,10 @@ def report(result: dict) -> tuple[str, str]:
              "the paper's jobs (Table 2's runs and `experiments.goodput_sim`). q is quality per trained token (q > 1: fewer "
              "tokens, each worth more, as for `drop`, whose lost tokens the throughput already counts); exact policies have "
              "q = 1 by construction. q is measured at each job's failed fraction: the level's runs, and for `drop` on "
-             "llama-7b runs at the fraction of samples it loses there.")
+             "llama-7b the fraction of samples it loses there, read between drop's runs.")
     c = result["comparability"]
-    caveat = ("What the combination cannot match: the failed fractions of rank-steps, on the CPU (after the 100-step warm start) "
+    caveat = ("What the combination cannot match: the failed fractions of rank-steps, on the CPU (over the whole run, its "
+              f"failure-free warm start counted: failures fill {100 * result.get('warm_share', 1):.0f}% of it) "
               + ", ".join(f"{lv} {100 * c[lv]['cpu_failed_fraction']:.1f}%" for lv in LEVELS) + ", in the simulator (steady state) "
               + ", ".join(f"{lv} {100 * c[lv]['simulated_failed_fraction']:.1f}%" for lv in LEVELS) + ".")
     section = "\n".join([

@@ -187,12 +187,25 @@ def test_a_single_seed_without_pooled_noise_never_leads():
     assert envelope.compare(cells, noise)["leads"] is True
 
 
+def test_a_throughput_from_one_seed_is_unbounded():
+    """The single-seed bug on the throughput side: a simulated cell without an interval has no standard error, so it
+    can neither lead nor let another lead."""
+    one = {"mean": 0.9, "ci95": [float("nan"), float("nan")], "seeds": 1}
+    assert envelope._se(one, 1.0) == math.inf
+    assert envelope._se({"mean": 0.9, "ci95": [0.8, 1.0], "seeds": 5}, 1.0) == pytest.approx(
+        100 * 0.2 / (2 * 2.7764451 * 0.9), rel=1e-6)  # t(0.975, 4)
+    c = envelope.compare({"a": _cell(0.9, se=math.inf), "b": _cell(0.5, se=0.1)}, None)
+    assert c["best"] == "a" and not c["leads"]
+
+
 def test_a_lead_wholly_within_the_tolerance_is_no_lead():
     """Ahead at 95% by less than 1% for sure is equal for an operator's choice; ahead with room above 1% leads."""
     cells = {"a": _cell(1.004, se=0.05), "b": _cell(1.0, se=0.05)}  # +0.4% [+0.26, +0.54]
     c = envelope.compare(cells, None)
     assert (c["leads"], c["equal"], c["tied"]) == (False, ["b"], [])
     assert envelope.verdict({"spares": c})["outcomes"] == {"tied: a, b": ["spares"]}
+    cells["a"]["kept"] = 1.009  # +0.9% [+0.76, +1.03]: ahead at 95%, but by less than 1%
+    assert envelope.compare(cells, None)["leads"] is False
     cells["a"]["kept"] = 1.02  # +2.0%
     assert envelope.compare(cells, None)["leads"] is True
     cells["a"]["se"] = 1.5  # +2.0% [-0.9, +5.0]: not decided
@@ -210,12 +223,12 @@ def test_the_paired_difference_against_an_independent_computation():
     d = 100 * math.log(0.8 / 0.7) + ((-1.0 + 2.0) + (-3.0 + 2.5)) / 2
     half = stats.t.ppf(0.975, 17) * math.sqrt(0.4 ** 2 + 0.3 ** 2 + 2.0 ** 2 / 2)
     assert (x["d"], x["half"], x["seeds"]) == (pytest.approx(d), pytest.approx(half), [0, 1])
-    x = envelope.paired(a, _cell(0.7), noise)  # one trained: its mean's variance is s_e^2 / k = sd^2 / (2 k)
+    x = envelope.paired(a, _cell(0.7), noise)  # one trained: 100 ln q is a run against its failure-free run: sd^2 / k
     assert x["d"] == pytest.approx(100 * math.log(0.8 / 0.7) + 1 / 3)
-    assert x["half"] == pytest.approx(stats.t.ppf(0.975, 17) * math.sqrt(0.4 ** 2 + 2.0 ** 2 / 6))
+    assert x["half"] == pytest.approx(stats.t.ppf(0.975, 17) * math.sqrt(0.4 ** 2 + 2.0 ** 2 / 3))
     assert envelope.paired(_cell(0.8, {0: 1.0}), _cell(0.7, {1: 1.0}), noise)["half"] == math.inf  # no common seed
     near = a | {"q_var": 0.01}  # q interpolated close to failure-free: a tenth of the noise
-    assert envelope.paired(near, _cell(0.7), noise)["half"] == pytest.approx(stats.t.ppf(0.975, 17) * math.sqrt(0.4 ** 2 + 0.01 * 2.0 ** 2 / 6))
+    assert envelope.paired(near, _cell(0.7), noise)["half"] == pytest.approx(stats.t.ppf(0.975, 17) * math.sqrt(0.4 ** 2 + 0.01 * 2.0 ** 2 / 3))
 
 
 def test_a_policy_leads_only_where_every_reading_agrees():
@@ -273,7 +286,8 @@ def test_q_is_interpolated_per_seed_and_held_beyond_the_measured():
     points = [(0.1, {0: -10.0, 1: -20.0}), (0.4, {0: -40.0, 2: 0.0})]
     assert envelope.interp_log_q(points, 0.05) == ({0: -5.0, 1: -10.0}, False, 0.25)  # half way from q = 1: w^2
     v, held, factor = envelope.interp_log_q(points, 0.25)
-    assert v == pytest.approx({0: -25.0}) and not held and factor == pytest.approx(0.5)  # seeds both bracketing points have
+    assert v == pytest.approx({0: -25.0}) and not held  # seeds both bracketing points have
+    assert factor == pytest.approx(0.75)  # (1 - w)^2 + w^2 + w (1 - w): the two share the seed's failure-free run
     assert envelope.interp_log_q(points, 0.5) == ({0: -40.0, 2: 0.0}, True, 1.0)
 
 
@@ -292,15 +306,18 @@ def test_the_envelope_reads_q_at_each_readings_failed_fraction():
     t = _throughput(names)
     sim = {"spares": {"llama-7b": {lv: {p: {"mean": 99.0, "ci95": [98.0, 100.0]} for p in names} for lv in goodput.LEVELS}}}
     measured = _measured(["mecefo", "drop"], 0.9)
-    transfer = _measured(["drop"], 0.7)
+    transfer = {"drop": {lv: m | {"failed_fraction": 4 * m["failed_fraction"]} for lv, m in _measured(["drop"], 0.7)["drop"].items()}}
     noise = Noise(sd=1.0, df=20, upper=2.0, level=0.95, runs=30)
-    env = goodput.envelope(t, sim, measured, transfer, noise, warm=1.0)["llama-7b"]
+    read_at = {"low": 0.08, "mid": 0.2, "high": 0.4}  # drop on 7B: at its runs near 7B's lost fraction
+    env = goodput.envelope(t, sim, measured, transfer, noise, 1.0, read_at)["llama-7b"]
     high = env["high"]
     assert list(high["by_reading"]) == list(envelope.READINGS)  # the paper's reading at high
     assert "paper" not in env["low"]["by_reading"]
     sim_g = high["by_reading"]["simulated"]["goodput"]
     assert sim_g["mecefo"] == pytest.approx(high["readings"]["simulated"]["mecefo"]["kept"] * 0.9)
     assert sim_g["drop"] == pytest.approx(high["readings"]["simulated"]["drop"]["kept"] * 0.7)  # the transfer runs
+    assert env["high"]["clamped"] == [] and goodput.envelope(t, sim, measured, transfer, noise, 1.0, {
+        lv: 0.5 for lv in goodput.LEVELS})["llama-7b"]["high"]["clamped"] == ["drop"]  # beyond its runs: said
     spares_g = high["by_reading"]["spares"]["goodput"]
     from experiments.goodput_sim import with_spares
     from experiments.throughput import PAPER_JOBS
