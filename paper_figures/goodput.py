@@ -261,7 +261,8 @@ def map_answer(result: dict) -> str:
     said = []
     for g, ps in groups.items():
         d = [percent_of(p["margin"]["d"]) for p in ps if p["margin"] is not None and np.isfinite(p["margin"]["d"])]
-        said.append(f"{g} in {len(ps)} cells" + (f" ({min(d):+.1f}% to {max(d):+.1f}% over the next policy)" if d else ""))
+        span = f"{min(d):+.1f}%" if d and min(d) == max(d) else (f"{min(d):+.1f}% to {max(d):+.1f}%" if d else "")
+        said.append(f"{g} in {len(ps)} cell{'s' if len(ps) > 1 else ''}" + (f" ({span} over the next policy)" if d else ""))
     mine = [100 * (p["goodput"]["mecefo"] / p["goodput"][p["best"]] - 1) for p in pts
             if "mecefo" in p["goodput"] and p["goodput"][p["best"]] > 0]
     clamped = sum(bool(p["clamped"]) for p in pts)
