@@ -210,17 +210,32 @@ def pooled_interval(m: dict, noise, factor: float = 1.0) -> dict:
                                                               float(np.exp((logs.mean() + half) / 100))]}
 
 
-def samples_lost(throughput: dict, level: str, job: str = TRANSFER_JOB) -> float:
-    """The share of samples drop loses on `job` at `level` while it steps (1 - kept / the share of the failure-free
-    step rate it keeps: its pauses are not lost samples)."""
+def steps_kept(throughput: dict, level: str, job: str = TRANSFER_JOB) -> float:
+    """The share of the failure-free step rate drop keeps on `job` at `level` (the time not paused nor lost)."""
     row = throughput["table2"][job]
 
     def stepping(lv: str) -> float:
         b = row[lv]["drop"]["breakdown_share"]
         return 1 - b["pause"] - b["lost_work"]
 
-    kept = row[level]["drop"]["mean"] / row["none"][REFERENCE]["mean"]
-    return 1 - kept / (stepping(level) / stepping("none"))
+    return stepping(level) / stepping("none")
+
+
+def samples_lost(throughput: dict, level: str, job: str = TRANSFER_JOB) -> float:
+    """The share of samples drop loses on `job` at `level` while it steps (1 - kept / steps_kept: its pauses are not
+    lost samples)."""
+    row = throughput["table2"][job]
+    return 1 - row[level]["drop"]["mean"] / row["none"][REFERENCE]["mean"] / steps_kept(throughput, level, job)
+
+
+def log_q_of(m: dict) -> dict:
+    """seed -> 100 ln q of a measured cell."""
+    return {s: float(100 * math.log(v)) for s, v in zip(m["seeds"], m["q"]["values"])}
+
+
+def warm_share(cfg) -> float:
+    """The share of a CPU run after its failure-free warm start (where its failures are)."""
+    return (cfg.train.steps - cfg.cluster.failure_free_steps) / cfg.train.steps
 
 
 def drop_at(level: str, x: float, measured: dict, transfer: dict, noise) -> dict:
@@ -246,7 +261,7 @@ def quality_of(policy: str, level: str, measured: dict, model: str | None = None
         return None
     q = m.get("q_pooled", m["q"])
     return {"mean": q["mean"], "ci95": q["ci95"], "by": "measured",
-            "log_q": {s: float(100 * math.log(v)) for s, v in zip(m["seeds"], m["q"]["values"])}}
+            "log_q": log_q_of(m)}
 
 
 def effective(throughput: dict, measured: dict, transfer: dict | None = None, read_at: dict | None = None, noise=None) -> dict:
@@ -280,10 +295,9 @@ def envelope(throughput: dict, sim: dict, measured: dict, transfer: dict, noise,
     policies whose q is known, and the verdict over the readings. Under `spares` a failed GPU's place is empty for
     a spare's wait only, so q is read at that reading's far smaller failed fraction (scale_cells; `warm`: the share
     of a CPU run after its warm start); under the others at the level's."""
-    from mecefo.results import paper_numbers
+    from .hypotheses import paper_drop_of
 
-    rows = paper_numbers()["table2_throughput_tokens_per_s"]["rows"]
-    paper = {m: {"high": {p: rows[m][sys_][2] / 100 for p, sys_ in envelope_mod.PAPER_SYSTEMS.items()}} for m in rows}
+    paper = {m: {"high": {p: paper_drop_of(m, system) for p, system in envelope_mod.PAPER_SYSTEMS.items()}} for m in PAPER_JOBS}
     out = {}
     for model in throughput["table2"]:
         out[model] = {}
@@ -309,8 +323,7 @@ def q_points(policy: str, measured: dict, transfer: dict) -> list[tuple[float, d
     """(the runs' failed fraction, seed -> 100 ln q) of every level a policy was trained at (drop: also its runs
     at TRANSFER_JOB's lost fractions)."""
     sources = [measured.get(policy, {})] + ([transfer.get(policy, {})] if policy == "drop" else [])
-    return [(m["failed_fraction"], {s: 100 * math.log(v) for s, v in zip(m["seeds"], m["q"]["values"])})
-            for src in sources for m in src.values()]
+    return [(m["failed_fraction"], log_q_of(m)) for src in sources for m in src.values()]
 
 
 def scale_cells(kept: dict, gpu_fraction: float, warm: float, measured: dict, transfer: dict, pp: int) -> tuple[dict, dict]:
@@ -352,8 +365,7 @@ def at_scale(throughput: dict, measured: dict, base_cfg, own: dict, noise, trans
     fraction; compare() per size."""
     sc = throughput["scaling"]["scenario"]
     scenario = failures.FailureScenario(sc["name"], sc["interval_h"], sc["recovery_h"])
-    cc, steps = base_cfg.cluster, base_cfg.train.steps
-    warm = (steps - cc.failure_free_steps) / steps
+    warm = warm_share(base_cfg)
     sizes = {}
     for gpus, cells in throughput["scaling"]["results"].items():
         ff = own[gpus]
@@ -376,7 +388,7 @@ def leader_map(sim: dict, measured: dict, base_cfg, noise, transfer: dict) -> li
     (simulated reading); `group`: the best and every policy not separable from it (within noise or the tolerance),
     `next`: the best policy outside it and the paired margin over it; policies whose q was held beyond the measured
     fractions."""
-    warm = (base_cfg.train.steps - base_cfg.cluster.failure_free_steps) / base_cfg.train.steps
+    warm = warm_share(base_cfg)
     out = []
     for pt in sim["map"]:
         f = pt["failed_fraction"]
@@ -396,22 +408,17 @@ def drop_readings(throughput: dict, measured: dict, eff: dict, warm: float) -> d
     """Per level, drop's G on TRANSFER_JOB three ways: measured (q read at the samples it loses there, drop_at), and
     the two transfers the measurement replaces: q per trained token from the level's runs (per token), and the
     failure-free steps a step is worth from them x the share of the failure-free step rate kept (per step)."""
-    row, lost = throughput["table2"][TRANSFER_JOB], lost_by_drop(throughput)
-
-    def stepping(level: str) -> float:
-        b = row[level]["drop"]["breakdown_share"]
-        return 1 - b["pause"] - b["lost_work"]
-
+    lost = lost_by_drop(throughput)
     out = {}
     for lv in LEVELS:
         cell, m = eff[TRANSFER_JOB]["levels"][lv]["drop"], measured.get("drop", {}).get(lv)
         q = cell["q"]
         out[lv] = {"lost_simulated": lost[lv], "samples_lost": samples_lost(throughput, lv), "spec": transfer_spec(lv, lost[lv]),
-                   "kept": cell["kept"], "steps_kept": stepping(lv) / stepping("none"), "read_at": warm * samples_lost(throughput, lv),
+                   "kept": cell["kept"], "steps_kept": steps_kept(throughput, lv), "read_at": warm * samples_lost(throughput, lv),
                    "measured": None if q is None else cell["goodput"], "q": q,
                    "measured_range": None if q is None else cell["goodput_q_range"],
                    "per_token": None if m is None else cell["kept"] * m["q_pooled"]["mean"],
-                   "per_step": None if m is None else stepping(lv) / stepping("none") * m["steps_fraction"]["mean"]}
+                   "per_step": None if m is None else steps_kept(throughput, lv) * m["steps_fraction"]["mean"]}
     return out
 
 
@@ -441,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
                         for lv, m in levels.items()} for p, levels in null.items()}
     d = sweep.DESIGNS[prof]
     base_cfg = sweep.cell_config(d.base, sweep.Cell(d.n, "none", "none", 0))
-    warm = (base_cfg.train.steps - base_cfg.cluster.failure_free_steps) / base_cfg.train.steps  # the CPU runs' failing share
+    warm = warm_share(base_cfg)
     read_at = {lv: warm * samples_lost(throughput, lv) for lv in LEVELS}  # drop on TRANSFER_JOB, at the CPU runs' scale
     eff = effective(throughput, measured, transfer, read_at, noise)
     compared = {lv: {"cpu_failed_fraction": float(np.mean([measured[p][lv]["failed_fraction"] for p in measured if lv in measured[p]])),

@@ -17,6 +17,7 @@ from experiments.goodput import LEVELS
 from experiments.goodput_envelope import READINGS, TOLERANCE
 from experiments.table2 import in_order
 from mecefo.errors import guarded
+from mecefo.stats import percent
 from mecefo.results import quick_flag, read_measurement
 
 from .common import plain_log_ticks, save_figure, style, update_readme, write_table
@@ -131,6 +132,11 @@ def quality_table(result: dict) -> list[str]:
     return lines
 
 
+def _percent(points: float) -> float:
+    """log points as percent (mecefo.stats.percent), a float for formatting."""
+    return float(percent(points))
+
+
 def _who(ps) -> str:
     return ", ".join(f"`{p}`" for p in ps)
 
@@ -184,7 +190,7 @@ def _margin(c: dict) -> str:
 
     def diff(p: str) -> str:
         m = c["margin"][p]
-        return f"{percent_of(m['d']):+.1f}% [{percent_of(m['lo']):+.1f}, {percent_of(m['hi']):+.1f}]" if np.isfinite(m["lo"]) else "unbounded"
+        return f"{_percent(m['d']):+.1f}% [{_percent(m['lo']):+.1f}, {_percent(m['hi']):+.1f}]" if np.isfinite(m["lo"]) else "unbounded"
 
     if c["leads"]:
         return f"`{c['best']}` {diff(c['second'])} over `{c['second']}`"
@@ -194,11 +200,6 @@ def _margin(c: dict) -> str:
             said.append(f"{words} " + ", ".join(f"`{p}` ({diff(p)})" for p in names[:2])
                         + (f" and {len(names) - 2} more" if len(names) > 2 else ""))
     return f"no lead: `{c['best']}`; " + "; ".join(said)
-
-
-def percent_of(points: float) -> float:
-    """log points as percent (mecefo.stats.percent, for a float)."""
-    return float(100 * np.expm1(points / 100))
 
 
 def envelope_table(result: dict) -> list[str]:
@@ -260,7 +261,7 @@ def map_answer(result: dict) -> str:
         groups.setdefault(", ".join(f"`{x}`" for x in sorted(p["group"])), []).append(p)
     said = []
     for g, ps in groups.items():
-        d = [percent_of(p["margin"]["d"]) for p in ps if p["margin"] is not None and np.isfinite(p["margin"]["d"])]
+        d = [_percent(p["margin"]["d"]) for p in ps if p["margin"] is not None and np.isfinite(p["margin"]["d"])]
         span = f"{min(d):+.1f}%" if d and min(d) == max(d) else (f"{min(d):+.1f}% to {max(d):+.1f}%" if d else "")
         said.append(f"{g} in {len(ps)} cell{'s' if len(ps) > 1 else ''}" + (f" ({span} over the next policy)" if d else ""))
     mine = [100 * (p["goodput"]["mecefo"] / p["goodput"][p["best"]] - 1) for p in pts
@@ -305,7 +306,7 @@ def map_figure(result: dict):
             m = p["margin"]
             lines = ["\n".join(p["group"][:3]) + (f"\n+{len(p['group']) - 3} more" if len(p["group"]) > 3 else "")]
             if m is not None and np.isfinite(m["lo"]):
-                lines.append(f"{percent_of(m['d']):+.1f}% [{percent_of(m['lo']):+.1f}, {percent_of(m['hi']):+.1f}]\nover {p['next']}")
+                lines.append(f"{_percent(m['d']):+.1f}% [{_percent(m['lo']):+.1f}, {_percent(m['hi']):+.1f}]\nover {p['next']}")
             if "mecefo" in p["goodput"] and "mecefo" not in p["group"] and p["goodput"][p["best"]] > 0:
                 lines.append(f"mecefo {100 * (p['goodput']['mecefo'] / p['goodput'][p['best']] - 1):+.1f}%")
             ax.text(i, j, "\n".join(lines) + ("*" if p["clamped"] else ""), ha="center", va="center", fontsize=5.5)
