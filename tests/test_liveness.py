@@ -352,7 +352,7 @@ def test_members_the_runs_files_say_hold_no_state_are_not_waited_for(tmp_path, m
     (tmp_path / "replicas" / "rank0.status").write_text("down 1.0\n")
     files = ReplicaFiles.__new__(ReplicaFiles)
     files.out = tmp_path
-    replica = type("Replica", (), {"replica_files": files, "rank": 0, "GONE": FtMembership.GONE})()
+    replica = type("Replica", (), {"replica_files": files, "rank": 0})()
     members = ["mecefo_0:a", "mecefo_1:b", "mecefo_2:c", "mecefo_3:d", "mecefo_4:e"]  # (rank 4: no file yet)
     gone = FtMembership.members_gone(replica, members)
     assert gone == {"mecefo_1:b", "mecefo_2:c"}

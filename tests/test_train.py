@@ -264,14 +264,20 @@ def test_a_checkpoint_is_read_as_data_never_as_code(nano_cfg, tmp_path, capsys, 
     # our own files (RNG states, numpy's too; DCP's metadata), read whole: they are rewritten below
     state, metadata = out / "checkpoint" / "state.pt", out / "checkpoint" / ".metadata"
     ckpt, meta = torch.load(state, weights_only=False), metadata.read_bytes()
+    folder = (out / "checkpoint").resolve()
     for tampered in (lambda: torch.save({**ckpt, "policy": _Payload()}, state),
                      lambda: metadata.write_bytes(pickle.dumps(_Payload()))):  # DCP's metadata is a pickle too
         tampered()
+        assert main(argv + ["--resume"]) == 2  # its digest refuses it first (the file is not what was written)
+        err = capsys.readouterr().err
+        assert "not what was written" in err or "when written" in err
+        checkpoint._seal(folder)  # one who can write the run folder can rewrite the digest too: then it reads as data
         assert main(argv + ["--resume"]) == 2
         err = capsys.readouterr().err
         assert "cannot be read as data" in err and err.count("\n") == 1 and not (tmp_path / "PWNED").exists()
         torch.save(ckpt, state)  # the untampered checkpoint resumes
         metadata.write_bytes(meta)
+        checkpoint._seal(folder)
     assert main(argv + ["--resume"]) == 0
 
 

@@ -18,11 +18,22 @@ the disk), then renamed; OUT/checkpoint is a symbolic link to the current one, r
 writer killed at any moment leaves the previous checkpoint whole. With train.keep_checkpoints K > 1 the
 K - 1 highest-step checkpoints that were current before the latest stay beside it (to go back to one:
 `ln -sfn checkpoint.step-<S>-<id> OUT/checkpoint`, then --resume).
+
+A checkpoint proves itself: its writer records, last, the size and SHA-256 of every file in the folder
+(`digest.json`, after every process's shards are written), and a load verifies them before anything is
+applied (verify). A torn copy, a truncated shard, a file missing or added, a folder written by a version
+without digests: each is refused with one line naming the file. Where a run resumes (mecefo.runfiles.
+prepare_out, the same for mecefo.train, torchrun, FSDP, mecefo.launch and the Slurm path), a current
+checkpoint that does not verify is skipped for the newest intact one among those kept (use_newest_intact:
+the link moved to it, the bad folders set aside as <name>.corrupt, one line saying which and why); with none
+intact the run is refused (exit 2), nothing touched.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import pickle
 import random
@@ -38,6 +49,8 @@ from .errors import UsageError
 
 NAME = "checkpoint"  # OUT/checkpoint: the link to the current checkpoint folder
 STATE = "state.pt"  # in a checkpoint folder: the step, the config hash and the small components
+DIGEST = "digest.json"  # in a checkpoint folder: the size and SHA-256 of every other file, written last
+CORRUPT = ".corrupt"  # the suffix of a checkpoint folder set aside because it did not verify
 TENSORS = ("model", "optimizer")  # the components written by DCP
 
 
@@ -115,6 +128,7 @@ def save(path: Path, step: int, config_hash: str, states: dict, tensor_states: d
         if not writer:
             return
         _write_state(tmp / STATE, {"step": step, "config_hash": config_hash, **states})
+        _seal(tmp)  # (collective: dcp.save returned once every process's shards and the metadata were written)
         delay = float(os.environ.get(WRITE_DELAY_ENV, "0") or 0)
         if delay:
             time.sleep(delay)
@@ -183,6 +197,137 @@ def _fsync_dir(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class Corrupt(UsageError):
+    """A checkpoint folder that does not hold what its writer recorded (one line naming the file and why)."""
+
+
+def _files(folder: Path) -> list[Path]:
+    """Every regular file under folder but the digest, by name."""
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != DIGEST)
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _seal(folder: Path) -> None:
+    """Record the size and SHA-256 of every file in folder (its digest.json, flushed to the disk)."""
+    files = {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in _files(folder)}
+    with open(folder / DIGEST, "w") as f:
+        json.dump({"algorithm": "sha256", "files": files}, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+_verified: dict = {}  # folder -> the files' (name, size, mtime) when they last verified: not hashed twice per process
+
+
+def verify(path: Path) -> Path:
+    """The checkpoint folder at path (the link resolved), once every file its writer recorded is there with the
+    recorded size and SHA-256 and no other file is; else a one-line Corrupt naming the file."""
+    link = Path(path)
+    folder = link.resolve()
+    if not folder.is_dir():
+        raise Corrupt(f"checkpoint {link}: its folder {folder.name} is missing")
+    try:
+        written = json.loads((folder / DIGEST).read_text())["files"]
+        if not isinstance(written, dict):
+            raise ValueError
+    except FileNotFoundError:
+        raise Corrupt(f"checkpoint {folder.name} has no {DIGEST} (incomplete, or written by a version before digests)") from None
+    except (OSError, ValueError, KeyError, TypeError):
+        raise Corrupt(f"checkpoint {folder.name}: its {DIGEST} cannot be read") from None
+    present = {p.relative_to(folder).as_posix(): p for p in _files(folder)}
+    seen = tuple((name, p.stat().st_size, p.stat().st_mtime_ns) for name, p in present.items())
+    if _verified.get(folder) == seen:
+        return folder
+    for name, record in sorted(written.items()):
+        if name not in present:
+            raise Corrupt(f"checkpoint {folder.name}: {name} is missing")
+        size = present[name].stat().st_size
+        if size != record.get("bytes"):
+            raise Corrupt(f"checkpoint {folder.name}: {name} is {size} bytes, {record.get('bytes')} when written (truncated "
+                          "or torn)")
+        if _sha256(present[name]) != record.get("sha256"):
+            raise Corrupt(f"checkpoint {folder.name}: {name} is not what was written (its SHA-256 differs)")
+    extra = sorted(set(present) - set(written))
+    if extra:
+        raise Corrupt(f"checkpoint {folder.name}: {extra[0]} was not written with it")
+    _verified[folder] = seen
+    return folder
+
+
+def _candidates(path: Path) -> list[Path]:
+    """The current checkpoint (the link's folder, even if missing), then the earlier ones kept, newest first."""
+    path = Path(path)
+    current = [path] if path.is_symlink() or path.exists() else []
+    return current + [p for p in reversed(earlier(path))]
+
+
+def _intact(folder: Path, config_hash: str) -> None:
+    """Corrupt unless folder verifies and reads as data; UsageError if it is another config's."""
+    verify(folder)
+    try:
+        _checked(folder)
+        read(folder)
+    except UsageError as e:  # (its digest verifies, yet it would not load: rewritten, digest included)
+        raise Corrupt(str(e)) from None
+    load(folder, config_hash)
+
+
+def newest_intact(path: Path, config_hash: str) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """(the newest checkpoint that verifies and reads as data: the current one or an earlier one kept, None if none
+    does; the newer ones skipped, each with why). A checkpoint of another config is refused (UsageError), not skipped."""
+    skipped = []
+    for candidate in _candidates(path):
+        try:
+            _intact(candidate, config_hash)
+        except Corrupt as e:
+            skipped.append((candidate.resolve() if candidate.is_symlink() else candidate, str(e)))
+            continue
+        return candidate.resolve(), skipped
+    return None, skipped
+
+
+def describe_newest_intact(path: Path, config_hash: str) -> str:
+    """What --resume will use, verified: 'the checkpoint of step S (folder, verified)', with the newer ones skipped and
+    why, or that none is intact."""
+    chosen, skipped = newest_intact(path, config_hash)
+    why = "; ".join(f"skipping {reason}" for _, reason in skipped)
+    if chosen is None:
+        return f"no checkpoint in {Path(path).parent} is intact ({why})" if skipped else ""
+    return f"the checkpoint of step {read(chosen)['step']} ({chosen.name}, verified)" + (f"; {why}" if why else "")
+
+
+def use_newest_intact(path: Path, config_hash: str) -> Path | None:
+    """Make the newest intact checkpoint the current one (OUT/checkpoint), before a resume: newer ones that do not
+    verify are set aside as <name>.corrupt (kept to be read, no longer a checkpoint) with one line saying which and why;
+    none intact: a one-line UsageError, nothing touched. None where OUT holds no checkpoint."""
+    path = Path(path)
+    chosen, skipped = newest_intact(path, config_hash)
+    if chosen is None:
+        if not skipped:
+            return None
+        raise UsageError(f"no checkpoint in {path.parent} is intact, nothing was changed: "
+                         + "; ".join(reason for _, reason in skipped))
+    if skipped:
+        link = path.parent / f".{path.name}.{os.getpid()}.link"
+        link.unlink(missing_ok=True)
+        os.symlink(chosen.name, link)
+        os.replace(link, path)
+        for folder, _ in skipped:
+            if folder.is_dir():
+                os.rename(folder, folder.with_name(folder.name + CORRUPT))
+        _fsync_dir(path.parent)
+        import sys
+
+        print(f"note: resuming from the checkpoint of step {read(chosen)['step']} ({chosen.name}, verified): "
+              + "; ".join(f"skipped {reason}" for _, reason in skipped)
+              + f" (set aside as <name>{CORRUPT})", file=sys.stderr, flush=True)
+    return chosen
 
 
 def _remove_stale(path: Path) -> None:
@@ -295,6 +440,7 @@ def read_model(path: Path) -> dict:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     state: dict = {}
+    verify(path)
     try:
         with _quiet():
             _load_state_dict(state, storage_reader=FileSystemReader(_checked(path)),
@@ -307,8 +453,9 @@ def read_model(path: Path) -> dict:
 
 
 def load(path: Path, config_hash: str) -> dict:
-    """The checkpoint's small state at path, refusing an unreadable one or another config's with a one-line
-    UsageError."""
+    """The checkpoint's small state at path, verified (verify), refusing a corrupt or unreadable one or another
+    config's with a one-line UsageError."""
+    verify(path)
     ckpt = read(path)
     if ckpt.get("config_hash") != config_hash:
         raise UsageError(f"checkpoint {path} belongs to another config (hash {ckpt.get('config_hash')} != "

@@ -46,12 +46,13 @@ import torch
 from . import config as config_mod
 from . import liveness
 from .errors import BAD_INPUT, CANNOT_GO_ON, TrainingStopped, UsageError, guarded
-from .membership import COMMIT, REDO, STOP, Membership, Quorum, token_data
+from .heal import HealTransport, read_token
+from .membership import COMMIT, REDO, STOP, LeftBehind, Membership, Quorum, token_data
 from .plan import StepPlan
 from .placement import local_device
 from .processes import die_with_parent, group_store, serve
-from .records import atomic_write_text, repair_tail
-from .runfiles import RunFiles, read_config, read_replica_status, write_replica_status
+from .records import atomic_write_json, atomic_write_text, last_row, repair_tail
+from .runfiles import HOLDS_NONE, TRAINING, RunFiles, read_config, read_replica_status, write_replica_status
 
 HEAL_DELAY_ENV = "MECEFO_FT_HEAL_DELAY_S"  # tests: hold a process's first healing so that it can be killed then
 # Faults the tests inject, by environment variable, into a replica's first life (not into a restarted one):
@@ -122,6 +123,32 @@ class ReplicaFiles(RunFiles):
         """Whether some replica has finished the run."""
         return any(self.replicas.glob("rank*.summary.json"))
 
+    def front(self, n_ranks: int) -> tuple[int, bool, dict[int, int]]:
+        """What the run's files say of the other replicas: (the furthest step any of them committed, dead or alive: its
+        status's step, or the last of its rows; whether one has finished the run; rank -> step of those whose status
+        says they train)."""
+        furthest, finished, training = 0, self.run_finished(), {}
+        for q in range(n_ranks):
+            if q == self.rank:
+                continue
+            words = read_replica_status(self.out, q) or [""]
+            finished = finished or words[0] == "finished"
+            if words[0] in TRAINING and len(words) > 1 and words[1].isdigit():
+                training[q] = int(words[1])
+                furthest = max(furthest, training[q])
+            row = last_row(self.replicas / f"rank{q}.jsonl")
+            if row is not None and isinstance(row.get("step"), int):
+                furthest = max(furthest, row["step"])
+        return furthest, finished, training
+
+    def left_behind(self, woke_at: int, front: int) -> None:
+        """OUT/replicas/rank<r>.left.json: this replica woke at step woke_at after the run had finished (at front)
+        without it, and stopped without training (the launcher's merge names it)."""
+        if self.group.rank == 0:
+            atomic_write_json(self.replicas / f"rank{self.rank}.left.json",
+                              {"rank": self.rank, "woke_at_step": woke_at, "run_step": front, "time": time.time(), "life": LIFE})
+            write_replica_status(self.out, self.rank, f"left {woke_at}")
+
     def write_checkpoint(self, step: int, config_hash: str, states: dict, tensors: dict | None, writer: bool,
                          collective: bool, keep: int = 1) -> None:
         """The group's processes write their shards, its rank 0 the rest; the others wait for the write to be
@@ -158,10 +185,11 @@ class FtMembership(Membership):
         self.sharded = cfg.cluster.shard == "fsdp"
         self.group = group or join_group(cfg.cluster.shard, device)  # this process's replica group
         self.replica_files = ReplicaFiles(run_dir, rank, self.group)
+        self.token = read_token(run_dir)  # the run's (mecefo.heal): a heal's peer must prove it
         self.replicas = self.replica_files.replicas
         self.manager, self.engine, self.healed = None, None, {}
         self.healed_at, self.healed_before, self.first, self.last_begin = None, False, True, None
-        self.heals, self.void_since, self.voids = 0, None, 0
+        self.heals, self.void_since, self.voids = 0, None, 0  # void_since: a liveness.Awake while steps are voided
         self.status("starting")
 
     @classmethod
@@ -200,7 +228,6 @@ class FtMembership(Membership):
         """torchft's Manager on this replica's own store (a bare process must host one; torchrun would), at
         `step`, then wait for the peers."""
         from torchft import Manager
-        from torchft.checkpointing.pg_transport import PGTransport
 
         self.healed, self.engine = components, engine  # what a heal sends and takes
         if self.rejoin and not self.live_peer_ahead(step):
@@ -214,8 +241,9 @@ class FtMembership(Membership):
                 use_async_quorum=False, replica_id=f"mecefo_{self.rank}", store_addr=self.group.address,
                 store_port=self.group.port, rank=self.group.rank, world_size=self.group.size, lighthouse_addr=self.lighthouse, hostname=host, timeout=timeout,
                 quorum_timeout=timeout, connect_timeout=timeout, init_sync=False, quorum_retries=QUORUM_RETRIES,
-                checkpoint_transport=PGTransport(pg, timeout=timeout, device=self.device))  # heals over the process
-                # group: no HTTP server (torchft's default transport listens on every interface)
+                checkpoint_transport=HealTransport(pg, timeout, self.device, self.token))  # heals over the process
+                # group, tensors and JSON after proof of the run's token (mecefo.heal): no HTTP server (torchft's default
+                # transport listens on every interface), no pickle (torchft's PGTransport unpickles what a peer sends)
         pg.recorder = self.manager._client = liveness.QuorumRecorder(self.manager._client, self._die_in_quorum)
         pg.recorder.gone, pg.recorder.manager = self.members_gone, self.manager
         if os.environ.get(FAULT_HEAL) == f"{self.rank}/{self.group.rank}" and not self.rejoin:
@@ -257,19 +285,17 @@ class FtMembership(Membership):
         self.clock.add("heal" if self.heals > heals else "quorum", time.perf_counter() - t0)  # (a heal: the transfer too)
         self.after_quorum(self.heals > heals)
 
-    GONE = ("down", "starting", "waiting")  # the status words of a rank whose process holds none of the run's state
-
     def members_gone(self, members: list[str]) -> set[str]:
-        """The members (torchft replica ids, mecefo_R:uuid) whose rank's status file says it holds no state: the
-        launcher found it dead ("down"), or a later process of the rank is starting or waiting to heal (the old one
-        is dead). Read from the files alone, so every process of a group answers alike for the same files; replicas
+        """The members (torchft replica ids, mecefo_R:uuid) whose rank's status file says it holds none of the run's
+        state (mecefo.runfiles.HOLDS_NONE): the launcher found it dead ("down"), a later process of the rank is
+        starting or waiting to heal (the old one is dead), it is behind the run, or done with it. Read from the files alone, so every process of a group answers alike for the same files; replicas
         started by hand (no launcher to write "down") are waited for as the lighthouse's view allows."""
         found = set()
         for m in members:
             name = liveness.replica_name(m)
             if not name.startswith("mecefo_") or not name[7:].isdigit() or int(name[7:]) == self.rank:
                 continue
-            if self.replica_files.status_of(int(name[7:])) in self.GONE:
+            if self.replica_files.status_of(int(name[7:])) in HOLDS_NONE:
                 found.add(m)
         return found
 
@@ -375,6 +401,67 @@ class FtMembership(Membership):
             return self.healed_at is not None
         return _all_in_group(self.healed_at is not None and self.manager.errored() is None, self.device)
 
+    def keep_to_the_front(self, end: int) -> None:
+        """After a quorum: train only at the run's front. A replica stalled (SIGSTOP, swap, a VM paused, an NFS hang)
+        while its peers went on wakes behind them, and a lighthouse that has forgotten them can give it a quorum of its
+        own: it must not train a second history from its old state. So the run's files are read (the furthest step
+        any other replica committed, dead or alive, and whether one has finished: ReplicaFiles.front) and, behind them:
+          - a replica finished the run: this one stops without training (LeftBehind: exit 0, named in the summary);
+          - a replica ahead is alive (it trains, and the lighthouse hears it): the step is void and the quorum asked
+            again, until one with that peer heals this replica (STALL_S of this process's waking time at most);
+          - none ahead is alive: one step behind, the step a replica committed alone before it died (torchft agrees on
+            a commit within a replica group only) is redone (the merge's rule: a version that died with its replica);
+            further behind, this replica holds no state the run can go on from: it stops (exit 3), after
+            liveness.REJOIN_GRACE_S in which a stalled peer ahead may wake.
+        A group's processes decide together (one collective of the group)."""
+        waited, since = liveness.Awake(cap_s=2 * TIMEOUT_S), None
+        while True:
+            step = self.manager.current_step()
+            if step >= end:
+                return
+            furthest, finished, training = self.replica_files.front(self.n_ranks)
+            ahead = {q for q, s in training.items() if s > step}
+            live = bool(ahead) and self._alive(ahead)
+            if self.sharded:
+                votes = _min_in_group([-furthest, int(not finished), int(not live)], self.device)
+                furthest, finished, live = -votes[0], not votes[1], not votes[2]
+            if finished:
+                raise LeftBehind(step, max(furthest, step))
+            if furthest <= step or (not live and furthest == step + 1):
+                if since is not None:
+                    print(f"rank {self.rank}: at the run's front again at step {step}", flush=True)
+                return
+            if since is None:
+                since = step
+                print(f"rank {self.rank}: at step {step} behind the run (step {furthest} committed): "
+                      + ("waiting to heal from a live peer ahead" if live else "no live peer ahead yet"), flush=True)
+            spent = waited()
+            if not live and spent > liveness.REJOIN_GRACE_S or spent > STALL_S:
+                raise TrainingStopped(
+                    f"rank {self.rank}: at step {step} behind the run (step {furthest} was committed), and "
+                    + ("no replica ahead of it is alive to heal from" if not live else
+                       f"no quorum with a live replica ahead formed within {STALL_S:g} s (MECEFO_FT_STALL_S)")
+                    + ": it stops rather than train a second history")
+            self.status(f"behind {step}")
+            self.manager.report_error(RuntimeError("behind the run's front"))  # nothing of this quorum commits
+            self.manager.should_commit()
+            time.sleep(0.1 if live else liveness.STATUS_EVERY_S)
+            self._quorum()
+
+    def _alive(self, ranks: set[int]) -> bool:
+        """Whether the lighthouse hears one of these ranks' replicas (a heartbeat younger than its timeout); an
+        unreachable lighthouse tells nothing: True (the caller waits, within its bound)."""
+        status = liveness.read_status(self.lighthouse)
+        if status is None:
+            return True
+        names = {f"mecefo_{q}" for q in ranks}
+        return any(liveness.replica_name(h) in names and h not in status.dead for h in status.heartbeats)
+
+    def left_behind(self, e: LeftBehind) -> None:
+        print(f"rank {self.rank}: woke at step {e.step} after the run had finished (step {e.front}) without it; it "
+              "stops without training (the summary names it under backend.left_behind)", flush=True)
+        self.replica_files.left_behind(e.step, e.front)
+
     def close(self) -> None:
         if self.manager is not None:
             self.manager.shutdown(wait=False)
@@ -393,6 +480,7 @@ class FtMembership(Membership):
         if not self.first:  # the waiting loop's last quorum is the first step's
             self._quorum()
         self.first = False
+        self.keep_to_the_front(end)
         step = self.manager.current_step()
         crash = os.environ.get(FAULT_CRASH, "").split(":")
         if len(crash) == 2 and int(crash[0]) == self.rank and step >= int(crash[1]) and not self.rejoin:
@@ -488,13 +576,13 @@ class FtMembership(Membership):
             if os.environ.get(FAULT_LONE_COMMIT) == f"{self.rank}:{row['step']}" and not self.rejoin:
                 os.kill(os.getpid(), signal.SIGKILL)
             return
-        now = time.monotonic()
-        self.void_since, self.voids = self.void_since or now, self.voids + 1
-        if now - self.void_since > VOID_S:
+        self.void_since, self.voids = self.void_since or liveness.Awake(cap_s=2 * TIMEOUT_S), self.voids + 1
+        voided_s = self.void_since()  # (this process's waking time: a replica stopped for long is not timed out by it)
+        if voided_s > VOID_S:
             error = self.manager.errored()
             raise TrainingStopped(
                 f"rank {self.rank}: step {self.manager.current_step() + 1} was voided {self.voids} times over "
-                f"{now - self.void_since:.0f} s (MECEFO_FT_VOID_S {VOID_S:g}); the last error: "
+                f"{voided_s:.0f} s (MECEFO_FT_VOID_S {VOID_S:g}); the last error: "
                 f"{str(getattr(error, 'original_exception', error)).strip().splitlines()[0] if error else 'none'}")
 
     # ------------------------------------------------------------------ who writes
@@ -654,6 +742,8 @@ def replica(cfg, out: Path, rank: int, lighthouse: str, min_step_s: float, wait_
             training.train(start, cfg.train.steps)
             training.summary()
             training.files.status("finished")
+    except LeftBehind as e:
+        training.membership.left_behind(e)
     finally:
         training.membership.close()
 

@@ -49,13 +49,14 @@ from pathlib import Path
 from . import chaos, failures
 from . import config as config_mod
 from .errors import BAD_INPUT, CANNOT_GO_ON, TrainingStopped, UsageError, guarded
+from .heal import ensure_token
 from .liveness import read_status
 from .placement import launcher_gpus, one_gpu, visible_gpus
 from .progress import ProgressLine
 from .processes import ForkServer, become_subreaper, die_with_parent, group_store
 from .records import atomic_write_json
 from .replica_records import merge, resume_point
-from .runfiles import RunFiles, read_config, read_replica_status, write_replica_status
+from .runfiles import TRAINING, RunFiles, read_config, read_replica_status, write_replica_status
 
 POLL_S = 0.02
 # How long the lighthouse waits for a live (heartbeating) replica that has not asked for the quorum yet before
@@ -68,7 +69,6 @@ JOIN_TIMEOUT_MS = int(os.environ.get("MECEFO_FT_LIGHTHOUSE_JOIN_MS", "20000"))
 # does not hold up) for this long is dead to the lighthouse: the floor of the time from a kill to the next step. The
 # chaos harness: with 1000 ms, kill -> next step was 1.0-1.1 s at best (p95 3.8 s); with 500 ms, 0.5-0.6 s.
 HEARTBEAT_TIMEOUT_MS = int(os.environ.get("MECEFO_FT_HEARTBEAT_MS", "500"))
-TRAINING = ("step", "evaluating", "checkpointing")  # the statuses of a replica that trains (status word, then its step)
 FORK_SERVER_BACKOFF_S = 10.0  # after the fork server died: start the next one no sooner
 FORK_SERVER_READY_S = 60.0  # the run's first replicas wait this long for the fork server, then start as fresh processes
 MAX_RESTARTS = 3  # default --max_restarts: restarts of a rank after a crash (a non-signal exit other than 2 and 3)
@@ -476,9 +476,15 @@ class Supervisor:
         from . import checkpoint
 
         path = self.out / "checkpoint"
-        if not path.exists():
+        if not (path.exists() or path.is_symlink() or checkpoint.earlier(path)):
             return f"No checkpoint was written yet (train.checkpoint_every); --resume starts the run in {self.out} over"
-        return f"The checkpoint of step {checkpoint.read(path)['step']} in {self.out} is intact; --resume continues from it"
+        try:
+            what = checkpoint.describe_newest_intact(path, self.cfg.hash())
+        except UsageError as e:
+            return f"--resume refuses: {e}"
+        if what.startswith("no checkpoint"):
+            return f"{what[0].upper()}{what[1:]}; --resume refuses to start (nothing is deleted)"
+        return f"--resume continues from {what}"
 
     def line_of(self, rank: int, process: int = 0) -> str:
         log = self.out / "replicas" / _log_name(rank, process)
@@ -496,8 +502,9 @@ class Supervisor:
         lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
         if code in (BAD_INPUT, CANNOT_GO_ON):
             prefix, error = ("error: ", UsageError) if code == BAD_INPUT else ("stopped: ", TrainingStopped)
-            raise error(next((f"rank {rank}: " + ln[len(prefix):] for ln in reversed(lines) if ln.startswith(prefix)),
-                             f"rank {rank} exited with status {code}"))
+            line = next((f"rank {rank}: " + ln[len(prefix):] for ln in reversed(lines) if ln.startswith(prefix)),
+                        f"rank {rank} exited with status {code}")
+            raise error(line + (f". {self.after_stop()}" if code == CANNOT_GO_ON else ""))
         raise TrainingStopped(f"rank {rank} died (exit status {code}) {self.crashes.get(rank, 0)} times, more than "
                               f"--max_restarts {self.max_restarts}: {self.line_of(rank, process)} (see {log}). "
                               + self.after_stop())
@@ -706,6 +713,7 @@ def main(argv: list[str] | None = None, restore_signals: bool = True) -> int:
             for p in (out / "replicas").glob("rank*.status"):
                 p.unlink()
             RunFiles(out, main=True).write_config(cfg)
+            ensure_token(out)  # the run's token (mecefo.heal), mode 0600: a heal's peer must prove it
             if args.prepare:
                 starter = ("python -m mecefo.ft" if cc.shard != "fsdp" else
                            f"torchrun --nproc_per_node {args.group_size} --master_addr $(hostname) --master_port PORT_R -m mecefo.ft")
@@ -739,9 +747,11 @@ def main(argv: list[str] | None = None, restore_signals: bool = True) -> int:
             summary = merge(out, cfg, supervisor.events, supervisor.t0)
             merged = True
             t, missing = summary["backend"]["timings"], summary["backend"]["not_rejoined"]
+            left = summary["backend"]["left_behind"]
             print(f"done: {summary['backend']['kills']} kills; val loss {summary['final_val_loss']:.4f}; kill -> next step "
                   f"{_fmt(t['kill_to_step_s'])} s, restart -> rejoin {_fmt(t['restart_to_rejoin_s'])} s"
-                  + (f"; not rejoined: {_not_rejoined(missing)}" if missing else "") + f" -> {out}", flush=True)
+                  + (f"; not rejoined: {_not_rejoined(missing)}" if missing else "")
+                  + (f"; left behind: {_left_behind(left)}" if left else "") + f" -> {out}", flush=True)
         finally:
             for sig in signals:  # a second Ctrl-C must not cut the clean-up short
                 signal.signal(sig, signal.SIG_IGN)
@@ -751,7 +761,10 @@ def main(argv: list[str] | None = None, restore_signals: bool = True) -> int:
                     if supervisor.board is not None:
                         supervisor.board.close()
                     if not merged:  # a launch that stops keeps its events for the records of a --resume
-                        atomic_write_json(out / "events.json", {"events": supervisor.events, "complete": False})
+                        try:
+                            atomic_write_json(out / "events.json", {"events": supervisor.events, "complete": False})
+                        except OSError as e:  # (a full disk: the line that stops the launch says so)
+                            print(f"note: {out / 'events.json'} could not be written ({e.strerror})", file=sys.stderr)
                 if lighthouse is not None:
                     lighthouse.shutdown()
                 if locked is not None:
@@ -776,8 +789,14 @@ def merge_by_hand(out: Path, other_flags) -> int:
     t = summary["backend"]["timings"]
     print(f"merged {cfg.cluster.ranks} replicas' records: val loss {summary['final_val_loss']:.4f}; "
           f"{summary['backend']['kills']} kills; kill -> next step {_fmt(t['kill_to_step_s'])} s, restart -> rejoin "
-          f"{_fmt(t['restart_to_rejoin_s'])} s -> {out}", flush=True)
+          f"{_fmt(t['restart_to_rejoin_s'])} s" + (f"; left behind: {_left_behind(summary['backend']['left_behind'])}"
+                                                     if summary["backend"]["left_behind"] else "") + f" -> {out}", flush=True)
     return 0
+
+
+def _left_behind(left: list[dict]) -> str:
+    return "; ".join(f"rank {x['rank']} (stalled, woke at step {x['woke_at_step']} after the run had finished at step "
+                     f"{x['run_step']}, never rejoined)" for x in left)
 
 
 def _not_rejoined(missing: list[dict]) -> str:

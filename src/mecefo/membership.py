@@ -48,6 +48,16 @@ class Quorum:
     failed: frozenset[int] | None  # the ranks down at it (None: the step is void and redone)
 
 
+class LeftBehind(Exception):
+    """A replica woke behind a run that had finished without it (mecefo.ft.FtMembership.keep_to_the_front): it stops
+    without training, and the launch completes with the others' history. (Here, not in mecefo.ft: a replica runs that
+    module as __main__, where a class of its own would not be the one its membership raises.)"""
+
+    def __init__(self, step: int, front: int):
+        super().__init__(f"woke at step {step}, the run at {front}")
+        self.step, self.front = step, front
+
+
 class Membership(abc.ABC):
     """The contract (the module's docstring says who calls what, and when): every membership answers all of it,
     none inherits another's answers by accident."""

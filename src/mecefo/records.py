@@ -138,3 +138,22 @@ def repair_tail(path: Path) -> bool:
             return False
         f.truncate(data.rfind(b"\n") + 1)
     return True
+
+
+def last_row(path: Path, tail_bytes: int = 1 << 16) -> dict | None:
+    """The last whole JSON row of a JSON-lines file (its last tail_bytes read; a torn last line skipped), or None."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - tail_bytes))
+            data = f.read()
+    except OSError:
+        return None
+    for line in reversed(data.splitlines()):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            return row
+    return None

@@ -27,7 +27,7 @@ def resume_point(out: Path, cfg) -> int:
     for path in [*(out / "replicas").glob("rank*.jsonl")]:  # rows and heals; a torn line (a kill mid-write) dropped
         keep = [row for row in read_rows(path)[0] if row.get("step", row.get("healed_at_step", 0)) <= step]
         atomic_write_text(path, "".join(json.dumps(row) + "\n" for row in keep))
-    for path in (out / "replicas").glob("rank*.summary.json"):
+    for path in [*(out / "replicas").glob("rank*.summary.json"), *(out / "replicas").glob("rank*.left.json")]:
         path.unlink()
     return step
 
@@ -40,6 +40,7 @@ def merge(out: Path, cfg, events: list, t0: float | None = None) -> dict:
     n, steps = cfg.cluster.ranks, cfg.train.steps
     own, healed, finals, torn = read_replicas(out, n)
     rows, superseded = lineage(own, healed, {f["backend"]["rank"] for f in finals})
+    left = left_behind(out)
     missing = [s for s in range(1, steps + 1) if s not in rows]
     if missing:
         raise TrainingStopped(f"steps {missing[:5]} were never committed")
@@ -61,7 +62,8 @@ def merge(out: Path, cfg, events: list, t0: float | None = None) -> dict:
         "failure_schedule": {"fraction_failed": happened.fraction_failed(), "events": happened.failure_events()},
         "wall_time_s": time.time() - t0 if t0 is not None else max(times) - min(times), "git_commit": git_commit(),
         "backend": {"name": "torchft", "kills": sum(e["kind"] == "kill" for e in events), "timings": timings,
-                    "not_rejoined": missing, "torn_lines_dropped": torn, "superseded_rows": superseded,
+                    "not_rejoined": missing, "left_behind": left, "torn_lines_dropped": torn,
+                    "superseded_rows": superseded,
                     "chaos": [e for e in events if e["kind"] == "chaos"],
                     "replica_timing": {str(f["backend"]["rank"]): f.get("timing") for f in finals}},
         "timing": rows_total([rows[s]["timing"] for s in range(1, steps + 1) if "timing" in rows[s]])}
@@ -69,6 +71,12 @@ def merge(out: Path, cfg, events: list, t0: float | None = None) -> dict:
     if not identical:
         raise TrainingStopped(f"the live replicas ended with different parameters (ranks {summary['rank_agreement']})")
     return summary
+
+
+def left_behind(out: Path) -> list[dict]:
+    """The replicas that woke after the run had finished without them and stopped without training
+    (mecefo.ft.ReplicaFiles.left_behind): rank, the step each woke at, the run's step then."""
+    return sorted((json.loads(p.read_text()) for p in (out / "replicas").glob("rank*.left.json")), key=lambda x: x["rank"])
 
 
 def read_replicas(out: Path, n: int) -> tuple[dict[int, list[dict]], list[dict], list[dict], int]:

@@ -81,6 +81,11 @@ def read_config(out: Path, who: str) -> dict:
 
 # ---- the replica status files: OUT/replicas/rank<r>.status, "<what> [<step>] <unix time>", one line, written whole
 # by the replica (its group's process 0: mecefo.ft.ReplicaFiles) and by the launcher (starting, down), read by both
+TRAINING = ("step", "evaluating", "checkpointing")  # the statuses of a replica that trains (status word, then its step)
+# the statuses of a rank whose process holds none of the run's current state: dead (down), not yet healed (starting,
+# waiting), behind the run (behind: it waits to heal from a live peer ahead; left: it woke after the run had finished),
+# or done (finished)
+HOLDS_NONE = ("down", "starting", "waiting", "behind", "left", "finished")
 
 def replica_status_path(out: Path, rank: int) -> Path:
     return Path(out) / "replicas" / f"rank{rank}.status"
@@ -121,7 +126,8 @@ def prepare_out(out: Path, cfg, resume: bool) -> dict:
     finished run of this config ({"finished": summary}); continue an interrupted one ({"resume": True} from its
     checkpoint, {"resume": False, "started": True} from the start where it stopped before its first checkpoint);
     start afresh in an empty or new OUT; refuse (UsageError) a folder holding another config's run or anything
-    else, a --resume with nothing to resume, and a folder another live run holds."""
+    else, a --resume with nothing to resume, and a folder another live run holds. A resume is from the newest intact
+    checkpoint kept (mecefo.checkpoint.use_newest_intact); with none intact the run is refused, nothing touched."""
     summary, ckpt = out / "summary.json", out / checkpoint.NAME
     holder = lock_holder(out)  # (None where this process holds it)
     if holder is not None:
@@ -134,14 +140,16 @@ def prepare_out(out: Path, cfg, resume: bool) -> dict:
         raise UsageError(f"--out {out} holds a finished run of another config (hash {done.get('config_hash')}); "
                          "choose another --out")
     started = holds_run_of(out, cfg)
-    if resume and not ckpt.exists() and not started:
+    if started:  # the newest intact checkpoint kept becomes the current one (a corrupt newer one skipped, one line)
+        has_checkpoint = checkpoint.use_newest_intact(ckpt, cfg.hash()) is not None
+    else:  # refuses another config's checkpoint, or a corrupt one, before anything is touched
+        has_checkpoint = (ckpt.exists() or ckpt.is_symlink()) and bool(checkpoint.load(ckpt, cfg.hash()))
+    if resume and not has_checkpoint and not started:
         raise UsageError(f"--resume given but {out} holds no checkpoint and no run of this config")
-    if ckpt.exists():
-        checkpoint.load(ckpt, cfg.hash())  # refuses another config's checkpoint before anything is touched
-    elif out.exists() and any(p.name != LOCK for p in out.iterdir()) and not started:
+    if not has_checkpoint and out.exists() and any(p.name != LOCK for p in out.iterdir()) and not started:
         raise UsageError(f"--out {out} is not empty and holds no run of this config; choose another --out")
     # (our own run, interrupted before its first checkpoint, starts over)
-    return {"finished": None, "resume": ckpt.exists(), "started": started}
+    return {"finished": None, "resume": has_checkpoint, "started": started}
 
 
 def give_up(out: Path, made: list[Path]) -> None:
