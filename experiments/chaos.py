@@ -4,13 +4,19 @@
 
 Each schedule is one `mecefo.launch --chaos SEED:RATE` run of nano (mecefo.chaos draws its events: kills of one
 rank, of several at once, of a healing rank, of the rank that evaluates and writes, of the rank whose store the
-next quorum uses, during a checkpoint write, kills the launcher did not plan, stalled ranks, the lighthouse
-killed and restarted, every rank at once), on one-process replicas (3 or 4 ranks) and on replica groups of
-2 processes with FSDP2 inside (3 groups). Every heal and every checkpoint write is held 0.3 s, as a larger
-model's would take, so that the events aimed at them can land. Each run is checked for:
+next quorum uses, during a checkpoint write, kills the launcher did not plan, stalled ranks, stalls longer than
+torchft's timeouts, a stall that outlasts the run, the lighthouse killed and restarted, every rank at once), on
+one-process replicas (3 or 4 ranks), on replica groups of 2 processes with FSDP2 inside (3 groups), and on a disk
+that fills (one-process replicas writing to a small tmpfs; skipped, with the reason, where this machine cannot mount
+one). Every heal and every checkpoint write is held 0.3 s, as a larger model's would take, so that the events aimed
+at them can land; two checkpoints are kept. Each run is checked for:
   completed     the launch exits 0; or, when every rank was down at once, exits 3 naming it with the
                 checkpoint readable (if one was written yet), and `--resume` (without chaos) then completes the
-                run, from the checkpoint or from the start;
+                run, from the checkpoint or from the start; before that resume the newest checkpoint's largest
+                file is torn (cut to a third) where an earlier one is kept, and the resume must say that it
+                skipped it and go on from the earlier one (`skipped_torn`); on the full disk, the launch stops at
+                the first write that cannot succeed (exit 3, its line naming ENOSPC, no replica restarted for it:
+                `disk`), and `--resume` after the disk is given room completes the run;
   once          every step 1..S committed, by every replica that committed it at most once and in order,
                 the replicas agreeing on its loss and failed set (read from each replica's own rows);
   identical     the replicas that finished hold identical parameters and subspaces (their own summaries' digests);
@@ -18,6 +24,8 @@ model's would take, so that the events aimed at them can land. Each run is check
                 (backend.not_rejoined) and the launcher's last line say which did not and what it was doing;
   all_down      where the launcher stopped because every replica was dead, its events show that no rank held
                 the run's state then (each had been killed, or had not trained since its restart);
+  left          every replica the summary names as left behind (woke after the run had finished without it) was
+                stopped by a stall, and the launcher's last line names it;
   twin          the loss curve equals a simulated backend's replaying the run's failed_steps.json (relative
                 TWIN_RTOL; the largest deviation is recorded): the local one's (one process, the same plans summed
                 in another order), and, on every EXACT_EVERY-th schedule and wherever the local twin is beyond
@@ -57,7 +65,10 @@ from mecefo.records import atomic_write_json, git_commit, package_versions, read
 
 from .common import CONFIGS, RESULTS, ROOT, guarded
 
-PROFILES = {"quick": {"single": 2, "groups": 1}, "default": {"single": 50, "groups": 20}}
+PROFILES = {"quick": {"single": 2, "groups": 1, "disk": 0}, "default": {"single": 50, "groups": 20, "disk": 3}}
+# the full disk: a tmpfs of DISK_BYTES of which all but DISK_ROOM_BYTES is taken by a filler (the launch fills the rest
+# near its third checkpoint: a nano checkpoint is 0.89 MB), removed once the launch has stopped on it
+DISK_BYTES, DISK_ROOM_BYTES = 16 << 20, 2_600_000
 # The torchft run against its simulated twins. The local backend batches pieces across ranks, so its sums differ in
 # order from an all-reduce's and training amplifies the difference: the torch backend itself deviates from the local
 # one by up to 1.3e-5 on a 100-step run with two ranks down at once (tests/test_ft.py's twin test, measured), while
@@ -80,22 +91,24 @@ class Schedule:
     min_step_s: float
     rate: float  # chaos events per minute
     limit_s: float  # a run not finished by then is lost
+    disk: bool = False  # the run's folder on a disk that fills (a small tmpfs)
 
     @property
     def family(self) -> str:
-        return "one-process" if self.group_size == 1 else f"groups of {self.group_size}"
+        return "full disk" if self.disk else "one-process" if self.group_size == 1 else f"groups of {self.group_size}"
 
     def args(self) -> list[str]:
         shard = ["--shard", "fsdp", "--group_size", str(self.group_size)] if self.group_size > 1 else []
         return ["--config", str(CONFIGS / "nano.toml"), "--ranks", str(self.ranks), "--steps", str(self.steps),
-                "--eval_every", str(self.steps // 4), "--checkpoint_every", "10", *shard]
+                "--eval_every", str(self.steps // 4), "--checkpoint_every", "10", "--keep_checkpoints", "2", *shard]
 
 
 def schedules(profile: str) -> list[Schedule]:
     counts = PROFILES[profile]
     single = [Schedule(i, 3 + i % 2, 1, 150, 0.2, 12.0, 300.0) for i in range(counts["single"])]
     groups = [Schedule(1000 + i, 3, 2, 100, 0.3, 8.0, 480.0) for i in range(counts["groups"])]
-    return single + groups
+    disk = [Schedule(2000 + i, 3, 1, 150, 0.2, 12.0, 300.0, disk=True) for i in range(counts["disk"])]
+    return single + groups + disk
 
 
 def source_hash() -> str:
@@ -111,11 +124,11 @@ def _env() -> dict:
             "MECEFO_FT_HEAL_DELAY_S": HOLD_S, "MECEFO_FT_HEAL_DELAY_EVERY": "1", "MECEFO_CHECKPOINT_DELAY_S": HOLD_S}
 
 
-def _launch(args: list[str], out: Path, limit_s: float) -> tuple[int | None, str, str, float]:
-    """mecefo.launch in its own session (so that a lost run's replicas go with it); (status or None if it ran past
-    limit_s, stdout, stderr, seconds)."""
+def _launch(args: list[str], out: Path, limit_s: float, logs: Path) -> tuple[int | None, str, str, float]:
+    """mecefo.launch in its own session (so that a lost run's replicas go with it), its output in logs/; (status or
+    None if it ran past limit_s, stdout, stderr, seconds)."""
     t0 = time.time()
-    with open(out.parent / f"{out.name}.stdout", "w") as so, open(out.parent / f"{out.name}.stderr", "w") as se:
+    with open(logs / f"{out.name}.stdout", "w") as so, open(logs / f"{out.name}.stderr", "w") as se:
         proc = subprocess.Popen([sys.executable, "-m", "mecefo.launch", *args, "--out", str(out)], stdout=so, stderr=se,
                                 env=_env(), cwd=ROOT, start_new_session=True)
         try:
@@ -124,8 +137,7 @@ def _launch(args: list[str], out: Path, limit_s: float) -> tuple[int | None, str
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             code = None
-    return code, (out.parent / f"{out.name}.stdout").read_text(), (out.parent / f"{out.name}.stderr").read_text(), \
-        time.time() - t0
+    return code, (logs / f"{out.name}.stdout").read_text(), (logs / f"{out.name}.stderr").read_text(), time.time() - t0
 
 
 def _twin(s: Schedule, out: Path, scratch: Path, backend: str = "local") -> float:
@@ -181,28 +193,88 @@ MERGE_REFUSALS = {"replicas disagree": "once", "committed a step twice": "once",
                   "ended with different parameters": "identical"}
 
 
+def _tear_newest(out: Path) -> dict | None:
+    """Tear the newest checkpoint's largest file (cut to a third: a bad disk, a copy cut short) where an earlier one is
+    kept to resume from instead; what was torn."""
+    from mecefo import checkpoint
+
+    if not (out / "checkpoint").exists() or not checkpoint.earlier(out / "checkpoint"):
+        return None
+    newest = (out / "checkpoint").resolve()
+    target = max((p for p in newest.iterdir() if p.is_file() and p.name != checkpoint.DIGEST), key=lambda p: p.stat().st_size)
+    target.write_bytes(target.read_bytes()[: target.stat().st_size // 3])
+    return {"folder": newest.name, "file": target.name}
+
+
+def _disk(scratch: Path) -> tuple[Path | None, str | None]:
+    """A tmpfs of DISK_BYTES at scratch/disk with all but DISK_ROOM_BYTES taken by scratch/disk/filler; (the folder, None)
+    or (None, why it cannot be had here)."""
+    disk = scratch / "disk"
+    disk.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_BYTES // 1024}k", "tmpfs", str(disk)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        return None, f"cannot mount a tmpfs here ({(r.stderr.strip() or 'mount failed').splitlines()[0]})"
+    free = shutil.disk_usage(disk).free
+    with open(disk / "filler", "wb") as f:
+        f.write(b"\0" * max(0, free - DISK_ROOM_BYTES))
+    return disk, None
+
+
 def check(s: Schedule, scratch: Path) -> dict:
-    """One schedule: launch it, resume it if every rank went down at once, and check the invariants, each read from
-    the replicas' own files (their rows and summaries) rather than from the launcher's merge of them."""
+    """One schedule: launch it, resume it if every rank went down at once (tearing the newest checkpoint first) or the
+    disk filled (giving it room first), and check the invariants, each read from the replicas' own files (their rows
+    and summaries) rather than from the launcher's merge of them."""
     out = scratch / "run"
-    chaos = ["--chaos", f"{s.seed}:{s.rate:g}", "--min_step_s", f"{s.min_step_s:g}", "--quiet"]
-    code, stdout, stderr, seconds = _launch([*s.args(), *chaos], out, s.limit_s)
-    result = {"schedule": asdict(s), "family": s.family, "seconds": seconds, "resumed": False}
+    result = {"schedule": asdict(s), "family": s.family, "seconds": 0.0, "resumed": False}
+    if s.disk:
+        disk, why = _disk(scratch)
+        if disk is None:
+            return result | {"lost": None, "skipped": why}
+        out = disk / "run"
+        result["disk"] = {"filled": False}
+    try:
+        return _check(s, scratch, out, result)
+    finally:
+        if s.disk:  # (its records kept beside the scratch's, to be read if the run is lost: the tmpfs goes)
+            shutil.copytree(out, scratch / "run", ignore=shutil.ignore_patterns("*.pt", "*.distcp", "filler"),
+                            dirs_exist_ok=True)
+            subprocess.run(["umount", "-l", str(scratch / "disk")], capture_output=True)
+
+
+def _check(s: Schedule, scratch: Path, out: Path, result: dict) -> dict:
+    from mecefo import checkpoint
+
+    chaos = ["--chaos", f"{s.seed}:{s.rate:g}", "--min_step_s", f"{s.min_step_s:g}"] + ([] if s.disk else ["--quiet"])
+    code, stdout, stderr, seconds = _launch([*s.args(), *chaos], out, s.limit_s, scratch)  # (the full disk: its log read)
+    result["seconds"] = seconds
     last = (stderr.strip().splitlines() or stdout.strip().splitlines() or ["(no output)"])[-1]
     claims = []  # the launcher's "every replica is dead" stops, checked against its events
-    if code == 3 and "replicas are dead" in last:
-        from mecefo import checkpoint
-
-        claims.append(json.loads((out / "events.json").read_text())["events"])
-        result["all_down_checkpoint_step"] = None  # none yet: --resume starts over
-        if (out / "checkpoint").exists():
-            try:
-                result["all_down_checkpoint_step"] = checkpoint.read(out / "checkpoint")["step"]
-            except UsageError as e:
-                return result | {"lost": f"every rank down, and the checkpoint is not readable: {e}"}
+    torn_ok = []  # each resume after a torn checkpoint said it skipped it
+    for _ in range(3):  # a launch stops on every rank down, or on the full disk; then --resume (without chaos)
+        full = code == 3 and "No space left on device" in last and result.get("disk", {}).get("filled") is False
+        if code == 3 and "replicas are dead" in last:
+            claims.append(json.loads((out / "events.json").read_text())["events"])
+            result["all_down_checkpoint_step"] = None  # none yet: --resume starts over
+            if (out / "checkpoint").exists():
+                try:
+                    result["all_down_checkpoint_step"] = checkpoint.read(out / "checkpoint")["step"]
+                except UsageError as e:
+                    return result | {"lost": f"every rank down, and the checkpoint is not readable: {e}"}
+            result["torn"] = _tear_newest(out)
+        elif full:  # the disk filled: stopped at once (no replica restarted for it), then given room
+            result["disk"] = {"filled": True, "last_line": last, "restarted": " crashed (" in stdout,
+                              "verified": "verified" in last or "No checkpoint was written yet" in last}
+            (out.parent / "filler").unlink()
+        else:
+            break
         code, stdout, stderr, more = _launch([*s.args(), "--min_step_s", f"{s.min_step_s:g}", "--quiet", "--resume"],
-                                             out, s.limit_s)
-        result |= {"resumed": True, "seconds": seconds + more}
+                                             out, s.limit_s, scratch)
+        result |= {"resumed": True, "seconds": result["seconds"] + more}
+        if result.get("torn"):
+            torn_ok.append(any(line.startswith("note: resuming from the checkpoint of step") and result["torn"]["folder"]
+                               in line and result["torn"]["file"] in line for line in stderr.splitlines()))
+            result["torn"] = None
         last = (stderr.strip().splitlines() or stdout.strip().splitlines() or ["(no output)"])[-1]
     refused = next((name for text, name in MERGE_REFUSALS.items() if text in last), None)
     if code == 3 and refused:
@@ -218,6 +290,8 @@ def check(s: Schedule, scratch: Path) -> dict:
     missing, last_line = backend["not_rejoined"], stdout.strip().splitlines()[-1]
     twin = _twin(s, out, scratch)
     exact = _twin(s, out, scratch, "torch") if s.seed % EXACT_EVERY == 0 or twin > TWIN_RTOL else None
+    left = backend["left_behind"]
+    stalled = {e["rank"] for e in events if e["kind"] == "stall"}
     invariants = {
         "once": _each_step_once(out, s, events),
         "identical": _replicas_identical(out),
@@ -225,11 +299,15 @@ def check(s: Schedule, scratch: Path) -> dict:
         and all(f"rank {m['rank']} (restarted" in last_line for m in missing),
         "twin": exact <= TWIN_RTOL if exact is not None else twin <= TWIN_RTOL,
         "all_down": all(_nobody_held_state(claim) for claim in claims),
+        "left": all(x["rank"] in stalled and f"rank {x['rank']} (stalled, woke at step" in last_line for x in left),
+        "skipped_torn": all(torn_ok),
+        "disk": not s.disk or (result["disk"]["filled"] and not result["disk"]["restarted"] and result["disk"]["verified"]),
     }
     return result | {
         "lost": None, "invariants": invariants, "violations": [k for k, ok in invariants.items() if not ok],
         "twin_max_rel": twin, "torch_twin_max_rel": exact, **{k: backend["timings"][k] for k in TIMINGS},
-        "not_rejoined": missing, "causes": backend["timings"]["causes"],
+        "not_rejoined": missing, "left_behind": left, "torn_resumes": len(torn_ok),
+        "causes": backend["timings"]["causes"],
         "phases": _phases(events), "chaos": _chaos_events(events),
         "crashes": sum(e["kind"] == "crash" for e in events), "superseded_rows": backend.get("superseded_rows", []),
         "fork_server_deaths": sum(e["kind"] == "fork_server_died" for e in events),
@@ -364,7 +442,7 @@ def _by_cause(runs: list[dict]) -> dict:
 
 def summarise(runs: list[dict]) -> dict:
     families = sorted({r["family"] for r in runs}, key=lambda f: (f != "one-process", f))
-    done = [r for r in runs if not r["lost"]]
+    done = [r for r in runs if not r["lost"] and not r.get("skipped")]
     kinds: dict = {}
     for r in done:
         for e in r["chaos"]:
@@ -375,6 +453,9 @@ def summarise(runs: list[dict]) -> dict:
         mine = [r for r in done if r["family"] == f]
         per_family[f] = {
             "schedules": sum(r["family"] == f for r in runs), "lost": sum(r["family"] == f and bool(r["lost"]) for r in runs),
+            "skipped": sorted({r["skipped"] for r in runs if r["family"] == f and r.get("skipped")}),
+            "left_behind": sum(len(r.get("left_behind", [])) for r in mine),
+            "torn_resumes": sum(r.get("torn_resumes", 0) for r in mine),
             "violations": sum(len(r["violations"]) for r in mine), "resumed_after_all_down": sum(r["resumed"] for r in mine),
             **{k: _quantiles([t for r in mine for t in r.get(k, [])]) for k in TIMINGS},
             "restart_to_waiting_s": _quantiles([p["to_waiting_s"] for r in mine for p in r["phases"]
@@ -407,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         r = runs[-1]
         if not sys.stderr.isatty():
             print(f"chaos {s.family} seed {s.seed}: " + (f"LOST ({r['lost']})" if r["lost"] else
+                  f"skipped ({r['skipped']})" if r.get("skipped") else
                   f"{len(r['chaos'])} events, violations {r['violations'] or 'none'}, rejoin {r['restart_to_rejoin_s']}"),
                   flush=True)
     result = {"profile": profile, "source": code, "targets": TARGETS, "twin_rtol": TWIN_RTOL, "exact_every": EXACT_EVERY,

@@ -30,7 +30,7 @@ def figure(result: dict):
     style()
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
     colors = dict(zip(result["summary"]["families"], ("C0", "C1", "C2")))
-    done = [r for r in result["runs"] if not r["lost"]]
+    done = [r for r in result["runs"] if not r["lost"] and not r.get("skipped")]
     for family, color in colors.items():
         mine = [r for r in done if r["family"] == family]
         _ecdf(axes[0], [t for r in mine for t in r["restart_to_rejoin_s"]], family, color)
@@ -77,6 +77,26 @@ def _tail(runs: list[dict], key: str, p95: float | None) -> str:
                      for k, (n, bad) in sorted(counts.items(), key=lambda kv: (-kv[1][0], kv[0])))
 
 
+def _unscripted(s: dict) -> str:
+    """The failures outside torchft's timeouts: stalls past the end of the run, torn checkpoints, the full disk."""
+    fam = s["families"]
+    left = ", ".join(f"{f.get('left_behind', 0)} ({family})" for family, f in fam.items())
+    torn = sum(f.get("torn_resumes", 0) for f in fam.values())
+    disk = fam.get("full disk")
+    if disk is None:
+        filled = "no full-disk schedule in this profile"
+    elif disk.get("skipped"):
+        filled = f"the full-disk schedules were skipped: {'; '.join(disk['skipped'])}"
+    else:
+        filled = (f"{disk['schedules'] - disk['lost']} of {disk['schedules']} full-disk schedules stopped at the first "
+                  "write that could not succeed (exit 3, its line naming ENOSPC, no replica restarted for it, the "
+                  "checkpoint --resume uses verified) and completed once the disk had room (a violation otherwise)")
+    return (f"Failures outside every timeout: replicas left behind by a stall that outlasted the run (they woke after "
+            f"the others had finished, stopped without training and are named in the summary and the last line): {left}; "
+            f"resumes after every rank was down with the newest checkpoint torn first (its largest file cut to a third), "
+            f"each skipping it for the earlier one kept: {torn}; {filled}.")
+
+
 def section(result: dict) -> str:
     """The README's real-failures figures, every number read from the result."""
     s, targets = result["summary"], result["targets"]
@@ -109,7 +129,7 @@ def section(result: dict) -> str:
                           + ("met" if clear <= target else "NOT met")))
     tails = []
     for family in s["families"]:
-        mine = [r for r in result.get("runs", []) if r["family"] == family and not r["lost"]]
+        mine = [r for r in result.get("runs", []) if r["family"] == family and not r["lost"] and not r.get("skipped")]
         for what, key in (("kill -> next step", "kill_to_step_s"), ("restart -> rejoin", "restart_to_rejoin_s")):
             tail = _tail(mine, key, s["families"][family][key].get("p95"))
             if tail:
@@ -130,7 +150,7 @@ def section(result: dict) -> str:
               "(torchrun), which sums as torchft does and then decides. Steps committed by a replica alone that then died "
               "with it (torchft agrees on a commit within a replica group, not across groups; or a lone quorum's steps), "
               "superseded by the version its peers redid: " + ", ".join(f"{f.get('superseded_rows', 0)} ({family})" for family, f in s["families"].items())
-              + "."]
+              + ".", "", _unscripted(s)]
     if s["lost"]:
         lines += ["", "Lost: " + "; ".join(f"seed {x['seed']}: {x['why']}" for x in s["lost"]) + "."]
     if s["violated"]:

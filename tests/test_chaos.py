@@ -1,6 +1,8 @@
 """mecefo.chaos: the punisher's events are drawn from its seed, land only on running ranks, wait for their moment,
 and respect the quiet tail; --chaos is parsed with one-line errors."""
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -44,7 +46,8 @@ class FakeSupervisor:
         self.did.append(("external", rank))
 
     def stall(self, rank, seconds):
-        assert chaos.STALL_S[0] <= seconds <= chaos.STALL_S[1]
+        assert (chaos.STALL_S[0] <= seconds <= chaos.STALL_S[1] or chaos.LONG_STALL_S[0] <= seconds <= chaos.LONG_STALL_S[1]
+                or seconds == math.inf)
         self.did.append(("stall", rank))
         self.stalled.add(rank)
 

@@ -85,7 +85,9 @@ def test_fsdp_replica_groups_survive_a_process_kill_and_a_group_kill_and_equal_t
     step 5 (the launcher takes its group down; it restarts at step 14 and heals shard by shard from live
     groups), then group 2 at step 10, group 1's neighbour, while it covers (group 0 covers both). Every step committed
     once, the groups end with the same shards, and the loss curve is the local backend's on the same failed
-    steps (measured: within 2e-7 relative; rows split over a group's processes only reorder the sums)."""
+    steps (relative 1e-4, the chaos harness's TWIN_RTOL: rows split over a group's processes only reorder the sums,
+    which training amplifies; measured within 2e-7 on one CPU, 1.9e-5 on an AVX-512 one, deterministically, on the
+    code before and after issue 45's changes)."""
     out, twin = tmp_path / "ft", tmp_path / "twin"
     args = ["--ranks", "3", "--steps", "80", "--eval_every", "40"]
     r = launch(out, *args, "--shard", "fsdp", "--group_size", "2", "--min-step-s", "0.25", "--kill", "1/1:5:14",
@@ -103,8 +105,8 @@ def test_fsdp_replica_groups_survive_a_process_kill_and_a_group_kill_and_equal_t
     assert rows[-1]["failed"] == []
     assert train_main([*NANO, *args, "--quiet", "--out", str(twin), "--failures", f"steps:{out / 'failed_steps.json'}"]) == 0
     for a, b in zip(rows[1:], metrics(twin)[1:], strict=True):
-        assert a["failed"] == b["failed"] and a["loss"] == pytest.approx(b["loss"], rel=1e-5)
-    assert summary["final_val_loss"] == pytest.approx(json.loads((twin / "summary.json").read_text())["final_val_loss"], rel=1e-5)
+        assert a["failed"] == b["failed"] and a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+    assert summary["final_val_loss"] == pytest.approx(json.loads((twin / "summary.json").read_text())["final_val_loss"], rel=1e-4)
 
 
 @pytest.mark.slow
@@ -479,11 +481,13 @@ def test_a_replica_that_cannot_reach_the_lighthouse_or_its_peers_stops_with_one_
     from torchft.coordination import LighthouseServer
 
     from mecefo import config as config_mod
+    from mecefo.heal import ensure_token
     from mecefo.records import atomic_write_json
     from tests.conftest import python_module
 
     cfg = config_mod.load(NANO[1], {"ranks": "2", "backend": "torchft", "steps": "5"})
     atomic_write_json(tmp_path / "config.json", {"config_hash": cfg.hash(), "config": cfg.to_dict()})
+    ensure_token(tmp_path)  # (what mecefo.launch --prepare writes with the config)
     replica = ["mecefo.ft", "--out", str(tmp_path), "--replica", "0"]
     r = python_module(*replica, "--lighthouse", "http://127.0.0.1:9", env={"MECEFO_FT_TIMEOUT_S": "2"}, timeout=120)
     assert r.returncode == 3 and r.stderr.strip().splitlines()[-1].startswith(

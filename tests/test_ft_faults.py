@@ -230,3 +230,89 @@ def test_restarted_replicas_alone_with_the_only_live_one_stalled_never_train_a_h
     heals = [h["rank"] for h in json.loads((out / "events.json").read_text())["healed"]]
     assert {1, 2} <= set(heals)
     _twin(out, tmp_path, args)
+
+
+# ---- failures nobody scripted (issue 45): stalls past the end of the run and past every deadline, a torn checkpoint
+
+# every deadline a replica keeps, lowered below the stall, so that the stall outlasts each of them
+SHORT_DEADLINES = {"MECEFO_FT_TIMEOUT_S": "6", "MECEFO_FT_VOID_S": "8", "MECEFO_FT_STALL_S": "10",
+                   "MECEFO_FT_JOIN_TIMEOUT_S": "15", "MECEFO_FT_LIGHTHOUSE_JOIN_MS": "5000"}
+
+
+@pytest.mark.parametrize("group", [1, 2], ids=["one-process", "groups of 2"])
+def test_a_replica_stalled_past_the_end_of_the_run_stops_without_training_and_the_launch_completes(tmp_path, group):
+    """Rank 1 is stopped (SIGSTOP) at step 10 for 25 s, longer than every deadline (lowered to 6-15 s here) and than
+    the rest of the run: the others finish without it. It wakes with its old state, and the lighthouse, which has
+    forgotten the others, gives it a quorum of its own: it must not train steps 11-40 alone (a second history: the
+    launch ended with exit 3, 'step 11: replicas disagree ..., and both went on', and no summary). It reads the run's
+    files, finds the run finished, and stops without training; the launch completes with the others' history (exit
+    0), and the summary and the last line name it."""
+    out, args = tmp_path / "ft", ["--ranks", "3", "--steps", "40", "--eval_every", "40"]
+    shard = ["--shard", "fsdp", "--group_size", "2"] if group > 1 else []
+    r = launch(out, *args, *shard, "--min-step-s", "0.15", "--stall", "1:10:25", env=SHORT_DEADLINES, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    left = json.loads((out / "summary.json").read_text())["backend"]["left_behind"]
+    assert [(x["rank"], x["run_step"]) for x in left] == [(1, 40)] and 10 <= left[0]["woke_at_step"] < 40
+    last = r.stdout.strip().splitlines()[-1]
+    assert "left behind: rank 1 (stalled, woke at step" in last
+    mine = [json.loads(line)["step"] for line in (out / "replicas" / "rank1.jsonl").read_text().splitlines()]
+    assert max(mine) == left[0]["woke_at_step"]  # not one step trained after it woke
+    assert not json.loads((out / "summary.json").read_text())["backend"]["superseded_rows"]
+    _twin(out, tmp_path, args)
+
+
+def test_a_replica_that_wakes_behind_a_run_whose_replicas_ahead_died_stops_rather_than_train_a_second_history(tmp_path):
+    """Rank 1 stalls at step 10 for 25 s; ranks 0 and 2 go on and are killed for good at step 25. Rank 1 wakes at step
+    10 holding the only live state, 15 steps behind what the run committed: training on would roll the run back and
+    commit steps 11-25 a second time, differently. It stops (exit 3) saying so, and the launch's last line names the
+    checkpoint --resume will use, verified."""
+    out, args = tmp_path / "ft", ["--ranks", "3", "--steps", "60", "--eval_every", "60", "--checkpoint_every", "20"]
+    r = launch(out, *args, "--min-step-s", "0.15", "--stall", "1:10:25", "--kill", "0:25", "--kill", "2:25",
+               env=SHORT_DEADLINES, timeout=300)
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 3 and last.startswith("stopped: rank 1: at step "), r.stdout[-3000:] + r.stderr[-3000:]
+    assert "no replica ahead of it is alive to heal from" in last
+    assert "--resume continues from the checkpoint of step 20" in last and "verified" in last
+    mine = [json.loads(line)["step"] for line in (out / "replicas" / "rank1.jsonl").read_text().splitlines()]
+    assert max(mine) < 25
+
+
+def test_a_torn_checkpoint_shard_after_a_killed_launcher_is_skipped_and_the_run_equals_its_twin(tmp_path):
+    """The launcher is SIGKILLed at step ~35 (its replicas die with it), then the newest checkpoint's shard is torn (a
+    bad disk, a copy cut short), and the same command is run again: it says which checkpoint it skipped and why,
+    resumes from the intact one before it (--keep_checkpoints 2), completes, and equals the simulated twin of its
+    failed steps (the replicas crashed on torch's zip error until their restarts ran out, and the last line claimed
+    the torn checkpoint intact)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import ROOT, subprocess_env
+
+    out, args = tmp_path / "ft", ["--ranks", "3", "--steps", "60", "--eval_every", "60", "--checkpoint_every", "10",
+                                  "--keep_checkpoints", "2"]
+    command = [sys.executable, "-m", "mecefo.launch", *NANO, "--out", str(out), *args, "--min-step-s", "0.15",
+               "--kill", "2:5:8"]
+    launcher = subprocess.Popen(command, cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        words = (out / "replicas" / "rank0.status").read_text().split() if (out / "replicas" / "rank0.status").exists() else []
+        if words[:1] == ["step"] and int(words[1]) >= 35:
+            break
+        time.sleep(0.05)
+    os.kill(launcher.pid, signal.SIGKILL)
+    launcher.wait()
+    time.sleep(1)  # (its replicas die with it: PR_SET_PDEATHSIG)
+    newest = (out / "checkpoint").resolve()
+    shard = max((p for p in newest.iterdir() if p.suffix == ".distcp"), key=lambda p: p.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
+    r = subprocess.run(command, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    note = [line for line in r.stderr.splitlines() if line.startswith("note: resuming from the checkpoint of step")]
+    assert len(note) == 1 and newest.name in note[0] and shard.name in note[0] and "truncated or torn" in note[0]
+    events = json.loads((out / "events.json").read_text())["events"]
+    assert not [e for e in events if e["kind"] == "crash"]
+    _twin(out, tmp_path, args)

@@ -22,6 +22,9 @@ from .errors import UsageError
 
 RESTART_S = 2.0  # a killed rank is restarted after U(0, RESTART_S) s
 STALL_S = (2.0, 6.0)  # a stalled rank is stopped for U(*STALL_S) s
+# a long stall: longer than torchft's timeouts (30 s: its collectives, connections and quorum tries), the lighthouse's
+# join wait (20 s) and the grace for a restarted lighthouse (11 s)
+LONG_STALL_S = (35.0, 50.0)
 LIGHTHOUSE_DOWN_S = (1.0, 3.0)  # the lighthouse is restarted after U(*LIGHTHOUSE_DOWN_S) s
 ARMED_S = 15.0  # an event waiting for its moment is dropped after this long
 QUIET_TAIL = 0.3  # no event starts in the last 30% of the steps
@@ -52,6 +55,11 @@ KINDS = (
     Kind("external", 0.10, "SIGKILL a rank's process from outside the launcher's plan (as an OOM killer would): the launcher "
          "sees an unplanned death and restarts the rank at once"),
     Kind("stall", 0.10, "SIGSTOP one rank's processes for U(2, 6) s, then SIGCONT (a straggler, not a death)"),
+    Kind("long_stall", 0.04, "SIGSTOP one rank's processes for U(35, 50) s, longer than torchft's timeouts (30 s) and the "
+         "lighthouse's join wait (20 s): a GC pause, swap, a VM migration, an NFS hang; it heals from the others when it "
+         "wakes"),
+    Kind("stall_past_end", 0.03, "SIGSTOP one rank's processes until every other replica has ended (a stall that outlasts "
+         "the run): it wakes behind a finished run, stops without training and is named (backend.left_behind)"),
     Kind("lighthouse", 0.03, "kill the lighthouse and start a new one on the same address after U(1, 3) s (its state is lost)"),
     Kind("all", 0.02, "SIGKILL every rank at once once a checkpoint exists: the launch stops (exit 3) and --resume continues"),
 )
@@ -164,7 +172,7 @@ class Punisher:
             return False
         if len(training) < 2:  # never the last rank that holds the state
             return False
-        if name in ("kill", "kill_process", "external", "stall"):
+        if name in ("kill", "kill_process", "external", "stall", "long_stall", "stall_past_end"):
             r = int(self.rng.choice(training))
             if name == "kill":
                 self._kill(sup, kind, [r])
@@ -173,8 +181,11 @@ class Punisher:
             elif name == "external":
                 self._record(sup, kind, "fired", f"rank {r} killed outside the plan", ranks=[r])
                 sup.kill_unplanned(r)
+            elif name == "stall_past_end":
+                self._record(sup, kind, "fired", f"rank {r} stopped until the others end", ranks=[r])
+                sup.stall(r, math.inf)
             else:
-                seconds = float(self.rng.uniform(*STALL_S))
+                seconds = float(self.rng.uniform(*(STALL_S if name == "stall" else LONG_STALL_S)))
                 self._record(sup, kind, "fired", f"rank {r} stopped for {seconds:.1f} s", ranks=[r], stall_s=seconds)
                 sup.stall(r, seconds)
             return True

@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import UsageError
+from .errors import UsageError, unwritable
 
 NAME = "checkpoint"  # OUT/checkpoint: the link to the current checkpoint folder
 STATE = "state.pt"  # in a checkpoint folder: the step, the config hash and the small components
@@ -146,9 +146,12 @@ def save(path: Path, step: int, config_hash: str, states: dict, tensor_states: d
         os.replace(link, path)
         _fsync_dir(path.parent)
         _prune(path, keep - 1)
-    except BaseException:
+    except BaseException as e:
         if writer:
             shutil.rmtree(tmp, ignore_errors=True)
+        full = unwritable(e)
+        if full is not None and not full.filename:  # (DCP's writes name no file): the line names the checkpoint
+            raise OSError(full.errno, full.strerror, f"{path} (step {step})") from e
         raise
 
 
@@ -269,9 +272,10 @@ def _candidates(path: Path) -> list[Path]:
 
 def _intact(folder: Path, config_hash: str) -> None:
     """Corrupt unless folder verifies and reads as data; UsageError if it is another config's."""
-    verify(folder)
+    folder = verify(folder)
     try:
-        _checked(folder)
+        if (folder / ".metadata").exists():  # (a checkpoint of small states only has none: its digest says so)
+            _checked(folder)
         read(folder)
     except UsageError as e:  # (its digest verifies, yet it would not load: rewritten, digest included)
         raise Corrupt(str(e)) from None

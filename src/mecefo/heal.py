@@ -210,8 +210,13 @@ class HealTransport:
         """The state from src_rank, once it has proved the run's token (HealRefused before anything else it sends is
         read, if not)."""
         nonce_r = secrets.token_bytes(NONCE_BYTES)
-        self._send(torch.frombuffer(bytearray(nonce_r), dtype=torch.uint8), src_rank, 1).wait(timeout)
-        proof = bytes(self._recv(NONCE_BYTES + MAC_BYTES, src_rank, 2).numpy())
+        try:
+            self._send(torch.frombuffer(bytearray(nonce_r), dtype=torch.uint8), src_rank, 1).wait(timeout)
+            proof = bytes(self._recv(NONCE_BYTES + MAC_BYTES, src_rank, 2).numpy())
+        except RuntimeError as e:  # (a peer that speaks another protocol: torchft's PGTransport sends a pickle's length)
+            first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+            raise HealRefused(f"the peer healing this replica (quorum rank {src_rank}) did not answer the run's handshake "
+                              f"({first}): refused before anything it sent was read") from None
         nonce_s, mac = proof[:NONCE_BYTES], proof[NONCE_BYTES:]
         if not hmac.compare_digest(mac, _mac(self._token, b"send", nonce_r, step)):
             raise HealRefused(f"the peer healing this replica (quorum rank {src_rank}) did not prove the run's token: "

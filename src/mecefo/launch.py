@@ -168,7 +168,7 @@ class Supervisor:
     rejoining: set = field(default_factory=set)  # restarted ranks that have not trained yet
     gpus: list = field(default_factory=list)  # process j of rank r: gpus[r][j] (mecefo.placement; [] on the CPU)
     stores: dict = field(default_factory=dict)  # rank -> its group's store (hosted here, on loopback)
-    stalled: dict = field(default_factory=dict)  # rank -> when to SIGCONT it (time.monotonic())
+    stalled: dict = field(default_factory=dict)  # rank -> when to SIGCONT it (time.monotonic(); inf: once the others end)
     crashes: dict = field(default_factory=dict)  # rank -> crashes so far
     lighthouse_back_at: float | None = None
     lighthouse_down: bool = False  # killed for good (--kill lighthouse:STEP): not restarted when found dead
@@ -331,9 +331,11 @@ class Supervisor:
             self.procs[rank][0].send_signal(signal.SIGKILL)
 
     def stall(self, rank: int, seconds: float) -> None:
-        """SIGSTOP rank's processes, SIGCONT after `seconds` (a straggler)."""
-        self.log(f"stopped rank {rank} for {seconds:g} s at step {self.committed()}", kind="stall", rank=rank,
-                 seconds=seconds, step=self.committed())
+        """SIGSTOP rank's processes, SIGCONT after `seconds` (a straggler; math.inf: once every other replica has
+        ended, a stall that outlasts the run)."""
+        how = f"for {seconds:g} s" if math.isfinite(seconds) else "until every other replica has ended"
+        self.log(f"stopped rank {rank} {how} at step {self.committed()}", kind="stall", rank=rank,
+                 seconds=seconds if math.isfinite(seconds) else None, step=self.committed())
         for proc in self.procs.get(rank, ()):
             proc.send_signal(signal.SIGSTOP)
         self.stalled[rank] = time.monotonic() + seconds
@@ -432,11 +434,13 @@ class Supervisor:
                     else:  # nothing committed yet: the others wait for it as one of the run's first replicas
                         self.start(k.rank, "initial", wait_for=self.wait_for)
                 k.restarted = True
+        outlasting = {r for r, until in self.stalled.items() if until == math.inf}
         for r, until in list(self.stalled.items()):
-            if now >= until:
+            if now >= until or (r in outlasting and not set(self.procs) - outlasting):
                 for proc in self.procs.get(r, ()):
                     proc.send_signal(signal.SIGCONT)
                 del self.stalled[r]
+                self.log(f"rank {r} goes on at step {self.committed()}", kind="stall_end", rank=r, step=self.committed())
         if self.lighthouse_back_at is not None and now >= self.lighthouse_back_at:
             self.lighthouse.restart()
             self.lighthouse_back_at = None
@@ -502,8 +506,11 @@ class Supervisor:
         lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
         if code in (BAD_INPUT, CANNOT_GO_ON):
             prefix, error = ("error: ", UsageError) if code == BAD_INPUT else ("stopped: ", TrainingStopped)
-            line = next((f"rank {rank}: " + ln[len(prefix):] for ln in reversed(lines) if ln.startswith(prefix)),
-                        f"rank {rank} exited with status {code}")
+            line = next((ln[len(prefix):] for ln in reversed(lines) if ln.startswith(prefix)), None)
+            if line is None:
+                line = f"rank {rank} exited with status {code}"
+            elif not line.startswith(f"rank {rank}: "):  # (a replica's own lines name it already)
+                line = f"rank {rank}: {line}"
             raise error(line + (f". {self.after_stop()}" if code == CANNOT_GO_ON else ""))
         raise TrainingStopped(f"rank {rank} died (exit status {code}) {self.crashes.get(rank, 0)} times, more than "
                               f"--max_restarts {self.max_restarts}: {self.line_of(rank, process)} (see {log}). "

@@ -218,9 +218,11 @@ def disruptions(events: list) -> list[tuple[float, float]]:
     """The intervals in which no recovery can be quick whatever the code does: a rank stalled (SIGSTOP: a straggler
     holds every synchronous step) and the lighthouse down (no quorum forms), as (start, end) times."""
     found, down_since = [], None
-    for e in events:
-        if e["kind"] == "stall":
-            found.append((e["time"], e["time"] + e["seconds"]))
+    for i, e in enumerate(events):
+        if e["kind"] == "stall":  # until its SIGCONT (stall_end; a stall that outlasts the run has no seconds)
+            end = next((x["time"] for x in events[i + 1:] if x["kind"] == "stall_end" and x.get("rank") == e["rank"]),
+                       e["time"] + e["seconds"] if e.get("seconds") is not None else float("inf"))
+            found.append((e["time"], end))
         elif e["kind"] == "lighthouse" and e.get("what") == "killed":
             down_since = e["time"]
         elif e["kind"] == "lighthouse" and down_since is not None:  # restarted (or found dead and restarted)
