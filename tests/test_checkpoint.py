@@ -152,6 +152,18 @@ def test_a_corrupt_newest_checkpoint_is_skipped_for_the_newest_intact_one_and_th
     assert {p: p.read_bytes() for p in again.rglob("*") if p.is_file()} == before and os.readlink(again / "checkpoint") == link
 
 
+def test_a_checkpoint_written_before_digests_loads_once_sealed_by_hand(tmp_path, capsys):
+    """A checkpoint without digest.json (a version before digests) is refused, naming that; `python -m mecefo.checkpoint
+    seal` records the digest of one the user trusts, and it loads; one with a digest is not resealed."""
+    path = tmp_path / "checkpoint"
+    checkpoint.save(path, 3, "h", {})
+    (path.resolve() / checkpoint.DIGEST).unlink()
+    with pytest.raises(checkpoint.Corrupt, match="no digest.json"):
+        checkpoint.load(path, "h")
+    assert checkpoint.main(["seal", str(path)]) == 0 and checkpoint.load(path, "h")["step"] == 3
+    assert checkpoint.main(["seal", str(path)]) == 2 and "has a digest already" in capsys.readouterr().err
+
+
 def test_the_launchers_last_line_names_the_checkpoint_resume_will_use_verified(tmp_path):
     """A stopped launch's last line (Supervisor.after_stop) names the newest intact checkpoint, not the newest."""
     from types import SimpleNamespace
@@ -162,7 +174,7 @@ def test_the_launchers_last_line_names_the_checkpoint_resume_will_use_verified(t
     path = tmp_path / "checkpoint"
     checkpoint.save(path, 20, cfg.hash(), {}, keep=2)
     checkpoint.save(path, 40, cfg.hash(), {}, keep=2)
-    view = SimpleNamespace(out=tmp_path, cfg=cfg)
+    view = SimpleNamespace(out=tmp_path, cfg=cfg, stop=lambda: None)
     assert "step 40" in Supervisor.after_stop(view) and "verified" in Supervisor.after_stop(view)
     (path.resolve() / "state.pt").write_bytes(b"")
     line = Supervisor.after_stop(view)

@@ -241,15 +241,15 @@ SHORT_DEADLINES = {"MECEFO_FT_TIMEOUT_S": "6", "MECEFO_FT_VOID_S": "8", "MECEFO_
 
 @pytest.mark.parametrize("group", [1, 2], ids=["one-process", "groups of 2"])
 def test_a_replica_stalled_past_the_end_of_the_run_stops_without_training_and_the_launch_completes(tmp_path, group):
-    """Rank 1 is stopped (SIGSTOP) at step 10 for 25 s, longer than every deadline (lowered to 6-15 s here) and than
-    the rest of the run: the others finish without it. It wakes with its old state, and the lighthouse, which has
+    """Rank 1 is stopped (SIGSTOP) at step 10 until the others have ended (--stall 1:10:end), longer than every
+    deadline (lowered to 6-15 s here) and than the rest of the run: the others finish without it. It wakes with its old state, and the lighthouse, which has
     forgotten the others, gives it a quorum of its own: it must not train steps 11-40 alone (a second history: the
     launch ended with exit 3, 'step 11: replicas disagree ..., and both went on', and no summary). It reads the run's
     files, finds the run finished, and stops without training; the launch completes with the others' history (exit
     0), and the summary and the last line name it."""
     out, args = tmp_path / "ft", ["--ranks", "3", "--steps", "40", "--eval_every", "40"]
     shard = ["--shard", "fsdp", "--group_size", "2"] if group > 1 else []
-    r = launch(out, *args, *shard, "--min-step-s", "0.15", "--stall", "1:10:25", env=SHORT_DEADLINES, timeout=300)
+    r = launch(out, *args, *shard, "--min-step-s", "0.15", "--stall", "1:10:end", env=SHORT_DEADLINES, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     left = json.loads((out / "summary.json").read_text())["backend"]["left_behind"]
     assert [(x["rank"], x["run_step"]) for x in left] == [(1, 40)] and 10 <= left[0]["woke_at_step"] < 40
@@ -275,6 +275,20 @@ def test_a_replica_that_wakes_behind_a_run_whose_replicas_ahead_died_stops_rathe
     assert "--resume continues from the checkpoint of step 20" in last and "verified" in last
     mine = [json.loads(line)["step"] for line in (out / "replicas" / "rank1.jsonl").read_text().splitlines()]
     assert max(mine) < 25
+
+
+def _alive_under(out) -> list[int]:
+    """The processes whose command line names OUT (the launch's replicas, its fork server and lighthouse)."""
+    from pathlib import Path
+
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(out).encode() in cmdline.read_bytes():
+                found.append(int(cmdline.parent.name))
+        except OSError:
+            pass
+    return found
 
 
 def test_a_torn_checkpoint_shard_after_a_killed_launcher_is_skipped_and_the_run_equals_its_twin(tmp_path):
@@ -305,7 +319,9 @@ def test_a_torn_checkpoint_shard_after_a_killed_launcher_is_skipped_and_the_run_
         time.sleep(0.05)
     os.kill(launcher.pid, signal.SIGKILL)
     launcher.wait()
-    time.sleep(1)  # (its replicas die with it: PR_SET_PDEATHSIG)
+    while _alive_under(out) and time.monotonic() < deadline:  # (its replicas die with it: PR_SET_PDEATHSIG)
+        time.sleep(0.05)
+    assert not _alive_under(out)
     newest = (out / "checkpoint").resolve()
     shard = max((p for p in newest.iterdir() if p.suffix == ".distcp"), key=lambda p: p.stat().st_size)
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])

@@ -13,16 +13,21 @@ from mecefo.errors import guarded
 from mecefo.train import main
 from tests.conftest import NANO, launch
 
-CHECKPOINT_BYTES = 900_000  # one nano checkpoint (measured: 889,569 bytes); a tmpfs of 1.6 of them fills at the second
+def _checkpoint_bytes(tmp_path) -> int:
+    """The size of one nano checkpoint, written here (889,569 bytes with torch 2.13)."""
+    out = tmp_path / "one"
+    assert main([*NANO, "--steps", "1", "--eval_every", "1", "--quiet", "--out", str(out)]) == 0
+    return sum(p.stat().st_size for p in (out / "checkpoint").resolve().iterdir())
 
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A tmpfs of 1.6 nano checkpoints at tmp_path/disk (unmounted after)."""
+    """A tmpfs of 1.6 nano checkpoints at tmp_path/disk (unmounted after): the first fits, the second fills it."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(1.6 * CHECKPOINT_BYTES) // 1024}k", "tmpfs", str(disk)],
-                             capture_output=True, text=True)
+    size = int(1.6 * _checkpoint_bytes(tmp_path)) // 1024
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}k", "tmpfs", str(disk)], capture_output=True,
+                             text=True)
     if mounted.returncode != 0:
         pytest.skip(f"this machine cannot mount a small tmpfs to fill ({mounted.stderr.strip() or 'mount failed'})")
     yield disk

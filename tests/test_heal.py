@@ -56,6 +56,10 @@ def pair(monkeypatch) -> list[Recording]:
         pg.abort()
 
 
+def _transport(pg, rank: int, token: bytes, session: str = "quorum 3", timeout=TIMEOUT, log=print):
+    return heal.HealTransport(pg, timeout, torch.device("cpu"), token, identity=lambda: (session, rank), log=log)
+
+
 def _exchange(send, recv) -> dict:
     """send() in one thread, recv() in this one; the receiver's result or exception, and the sender's."""
     found = {}
@@ -109,8 +113,7 @@ def test_a_heal_between_peers_with_the_runs_token_carries_the_whole_state(pair, 
     token = os.urandom(32)
     a, b = pair
     state = _state()
-    sender, receiver = heal.HealTransport(a, TIMEOUT, torch.device("cpu"), token), \
-        heal.HealTransport(b, TIMEOUT, torch.device("cpu"), token)
+    sender, receiver = _transport(a, 0, token), _transport(b, 1, token)
     found = _exchange(lambda: sender.send_checkpoint([1], 7, state, TIMEOUT),
                       lambda: receiver.recv_checkpoint(0, sender.metadata(), 7, TIMEOUT))
     assert "recv_error" not in found and "send_error" not in found, found
@@ -121,8 +124,7 @@ def test_a_peer_without_the_runs_token_is_refused_before_anything_it_sends_is_re
     """A sender with another token: the receiver reads its fixed-size proof only, refuses it (HealRefused, one line),
     and never asks for the state's document or tensors (tags 4 and up)."""
     a, b = pair
-    sender = heal.HealTransport(a, TIMEOUT, torch.device("cpu"), os.urandom(32))
-    receiver = heal.HealTransport(b, TIMEOUT, torch.device("cpu"), os.urandom(32))
+    sender, receiver = _transport(a, 0, os.urandom(32)), _transport(b, 1, os.urandom(32))
     found = _exchange(lambda: sender.send_checkpoint([1], 7, _state(), TIMEOUT),
                       lambda: receiver.recv_checkpoint(0, "", 7, TIMEOUT))
     assert isinstance(found.get("recv_error"), heal.HealRefused)
@@ -134,8 +136,8 @@ def test_a_receiver_without_the_runs_token_gets_nothing_of_the_state(pair):
     """The sender checks the receiver's answer too: to a peer without the token, nothing of the state is sent."""
     a, b = pair
     lines = []
-    sender = heal.HealTransport(a, TIMEOUT, torch.device("cpu"), os.urandom(32), log=lines.append)
-    receiver = heal.HealTransport(b, timedelta(seconds=2), torch.device("cpu"), os.urandom(32))
+    sender = _transport(a, 0, os.urandom(32), log=lines.append)
+    receiver = _transport(b, 1, os.urandom(32), timeout=timedelta(seconds=2))
 
     def impostor():  # answers the handshake with a MAC of its own token (the sender's proof is not checked here)
         nonce = bytes(32)
@@ -148,6 +150,30 @@ def test_a_receiver_without_the_runs_token_gets_nothing_of_the_state(pair):
     sender.send_checkpoint([1], 7, _state(), TIMEOUT)
     t.join()
     assert [tag for _, tag in a.sent] == [2] and "did not prove the run's token" in lines[0]
+
+
+@pytest.mark.parametrize("made_for", [("quorum 4", 0), ("quorum 3", 2)], ids=["another quorum", "another pair"])
+def test_a_proof_made_for_another_quorum_or_pair_cannot_be_relayed(pair, made_for):
+    """Every MAC binds the quorum's session and the two ranks: a peer with the token whose proof was made for another
+    quorum, or for another sender and receiver (as a relay between two impostors would present it), is refused."""
+    a, b = pair
+    token = os.urandom(32)
+    session, rank = made_for
+    sender, receiver = _transport(a, rank, token, session=session), _transport(b, 1, token)
+    found = _exchange(lambda: sender.send_checkpoint([1], 7, _state(), TIMEOUT),
+                      lambda: receiver.recv_checkpoint(0, "", 7, TIMEOUT))
+    assert isinstance(found.get("recv_error"), heal.HealRefused) and "did not prove" in str(found["recv_error"])
+
+
+def test_the_replicas_heal_through_this_transport_not_torchfts_pickle():
+    """mecefo.ft gives torchft's Manager this transport: torchft's PGTransport (which unpickles what a peer sends) is
+    not used anywhere in the library."""
+    import inspect
+
+    from mecefo import ft
+
+    source = inspect.getsource(ft)
+    assert "HealTransport(" in source and "PGTransport" not in source.replace("torchft's PGTransport", "")
 
 
 class _Payload:
@@ -165,7 +191,7 @@ def test_a_peer_speaking_torchfts_pickle_protocol_is_refused_and_nothing_is_unpi
     monkeypatch.setattr(pickle, "loads", lambda *a, **k: unpickled.append(1))
     a, b = pair
     evil = PGTransport(a, timeout=timedelta(seconds=2), device=torch.device("cpu"))
-    receiver = heal.HealTransport(b, timedelta(seconds=2), torch.device("cpu"), os.urandom(32))
+    receiver = _transport(b, 1, os.urandom(32), timeout=timedelta(seconds=2))
     found = _exchange(lambda: evil.send_checkpoint([1], 7, {"x": _Payload()}, timedelta(seconds=2)),
                       lambda: receiver.recv_checkpoint(0, "", 7, timedelta(seconds=2)))
     assert isinstance(found.get("recv_error"), heal.HealRefused) and "state" not in found

@@ -334,6 +334,18 @@ def use_newest_intact(path: Path, config_hash: str) -> Path | None:
     return chosen
 
 
+def seal_trusted(folder: Path) -> Path:
+    """Record the digest of a checkpoint folder written before digests, which you trust as it is (it then loads);
+    one that has a digest already is left alone (a UsageError)."""
+    folder = Path(folder).resolve()
+    if not (folder / STATE).exists():
+        raise UsageError(f"{folder} is not a checkpoint folder (no {STATE})")
+    if (folder / DIGEST).exists():
+        raise UsageError(f"{folder} has a digest already; a checkpoint that does not verify is torn, not unsealed")
+    _seal(folder)
+    return folder
+
+
 def _remove_stale(path: Path) -> None:
     for stale in path.parent.glob(f".{path.name}.*.tmp"):
         pid = stale.name[len(path.name) + 2:].split(".")[0]
@@ -498,3 +510,28 @@ def restore(ckpt: dict, components: dict) -> int:
         if name not in TENSORS:
             c.load_state_dict(ckpt[name])
     return ckpt["step"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m mecefo.checkpoint seal FOLDER: see seal_trusted."""
+    import argparse
+
+    from .errors import guarded
+
+    parser = argparse.ArgumentParser(prog="python -m mecefo.checkpoint", description="checkpoints written before "
+                                     "digests: record the digest of one you trust, so that it loads")
+    parser.add_argument("command", choices=["seal"])
+    parser.add_argument("folder", help="OUT/checkpoint or OUT/checkpoint.step-S-ID")
+
+    def run() -> int:
+        args = parser.parse_args(argv)
+        print(f"sealed {seal_trusted(Path(args.folder))}")
+        return 0
+
+    return guarded(run)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -39,6 +39,7 @@ import torch
 
 from . import checkpoint
 from .checkpoint import Component
+from .errors import UsageError
 from .model import group_of
 from .neighbour import LowRankWgrad, Neighbour, Techniques
 from .plan import NORMAL, Piece, StepPlan
@@ -347,11 +348,16 @@ class TorchReplicated(Replicated):
         recovery), the rest as one object: no rank but 0 needs the files."""
         box = [None]
         if self.rank == 0:
-            ckpt = checkpoint.load(path, config_hash)
-            checkpoint.load_tensors(path, self.model, optimizer)
-            checkpoint.restore(ckpt, components)
-            box[0] = {k: v for k, v in ckpt.items() if k not in self.WHOLE}
+            try:
+                ckpt = checkpoint.load(path, config_hash)
+                checkpoint.load_tensors(path, self.model, optimizer)
+                checkpoint.restore(ckpt, components)
+                box[0] = {k: v for k, v in ckpt.items() if k not in self.WHOLE}
+            except UsageError as e:  # (every rank stops with the line, none is left in the broadcast)
+                box[0] = {"refused": str(e)}
         self.dist.broadcast_object_list(box, src=0)
+        if "refused" in box[0]:
+            raise UsageError(box[0]["refused"])
         if self.rank != 0:
             checkpoint.restore(box[0], {k: c for k, c in components.items() if k not in self.WHOLE})
         self._broadcast_state(0, optimizer)
@@ -470,8 +476,15 @@ class Sharded(StepEngine):
         first process reads the rest and broadcasts it. Returns the checkpoint's step."""
         import torch.distributed as dist
 
-        box = [checkpoint.load(path, config_hash) if self.shard_group[0] == 0 else None]
+        box = [None]
+        if self.shard_group[0] == 0:
+            try:
+                box[0] = checkpoint.load(path, config_hash)  # (verified: mecefo.checkpoint.verify)
+            except UsageError as e:  # every process of the group stops with the line, none is left in the broadcast
+                box[0] = {"refused": str(e)}
         dist.broadcast_object_list(box, src=0)
+        if "refused" in box[0]:
+            raise UsageError(box[0]["refused"])
         checkpoint.load_tensors(path, self.model, optimizer, collective=True)
         return checkpoint.restore(box[0], components)
 

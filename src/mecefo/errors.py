@@ -54,6 +54,12 @@ def guarded(main, interrupted: str = "interrupted"):
     (KeyboardInterrupt) the `interrupted` line and 130."""
     import sys
 
+    def say(line: str) -> None:  # (on a full disk the log itself may not take it: the status still goes out)
+        try:
+            print(line, file=sys.stderr)
+        except OSError:
+            pass
+
     try:
         try:
             return main()
@@ -65,11 +71,11 @@ def guarded(main, interrupted: str = "interrupted"):
                 raise
             raise TrainingStopped(unwritable_line(full)) from None
     except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
+        say(f"error: {e}")
         return BAD_INPUT
     except TrainingStopped as e:
-        print(f"stopped: {e}", file=sys.stderr)
+        say(f"stopped: {e}")
         return CANNOT_GO_ON
     except KeyboardInterrupt:
-        print(interrupted, file=sys.stderr)
+        say(interrupted)
         return INTERRUPTED

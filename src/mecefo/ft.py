@@ -189,6 +189,7 @@ class FtMembership(Membership):
         self.replicas = self.replica_files.replicas
         self.manager, self.engine, self.healed = None, None, {}
         self.healed_at, self.healed_before, self.first, self.last_begin = None, False, True, None
+        self.quorum_at, self.voided = None, False  # when the last quorum returned; a step voided since the last commit
         self.heals, self.void_since, self.voids = 0, None, 0  # void_since: a liveness.Awake while steps are voided
         self.status("starting")
 
@@ -241,7 +242,8 @@ class FtMembership(Membership):
                 use_async_quorum=False, replica_id=f"mecefo_{self.rank}", store_addr=self.group.address,
                 store_port=self.group.port, rank=self.group.rank, world_size=self.group.size, lighthouse_addr=self.lighthouse, hostname=host, timeout=timeout,
                 quorum_timeout=timeout, connect_timeout=timeout, init_sync=False, quorum_retries=QUORUM_RETRIES,
-                checkpoint_transport=HealTransport(pg, timeout, self.device, self.token))  # heals over the process
+                checkpoint_transport=HealTransport(pg, timeout, self.device, self.token,
+                                                   identity=lambda: (pg.session, pg.member_rank)))  # heals over the process
                 # group, tensors and JSON after proof of the run's token (mecefo.heal): no HTTP server (torchft's default
                 # transport listens on every interface), no pickle (torchft's PGTransport unpickles what a peer sends)
         pg.recorder = self.manager._client = liveness.QuorumRecorder(self.manager._client, self._die_in_quorum)
@@ -401,7 +403,7 @@ class FtMembership(Membership):
             return self.healed_at is not None
         return _all_in_group(self.healed_at is not None and self.manager.errored() is None, self.device)
 
-    def keep_to_the_front(self, end: int) -> None:
+    def keep_to_the_front(self, end: int, check: bool = True) -> None:
         """After a quorum: train only at the run's front. A replica stalled (SIGSTOP, swap, a VM paused, an NFS hang)
         while its peers went on wakes behind them, and a lighthouse that has forgotten them can give it a quorum of its
         own: it must not train a second history from its old state. So the run's files are read (the furthest step
@@ -413,7 +415,10 @@ class FtMembership(Membership):
             a commit within a replica group only) is redone (the merge's rule: a version that died with its replica);
             further behind, this replica holds no state the run can go on from: it stops (exit 3), after
             liveness.REJOIN_GRACE_S in which a stalled peer ahead may wake.
-        A group's processes decide together (one collective of the group)."""
+        A group's processes decide together (one collective of the group, with each process's deadlines in the vote).
+        check False: nothing to read (the caller knows this replica missed no quorum); a group always checks."""
+        if not check:
+            return
         waited, since = liveness.Awake(cap_s=2 * TIMEOUT_S), None
         while True:
             step = self.manager.current_step()
@@ -422,21 +427,25 @@ class FtMembership(Membership):
             furthest, finished, training = self.replica_files.front(self.n_ranks)
             ahead = {q for q, s in training.items() if s > step}
             live = bool(ahead) and self._alive(ahead)
+            spent = waited() if since is not None else 0.0
+            grace_over, stall_over = spent > liveness.REJOIN_GRACE_S, spent > STALL_S
             if self.sharded:
-                votes = _min_in_group([-furthest, int(not finished), int(not live)], self.device)
-                furthest, finished, live = -votes[0], not votes[1], not votes[2]
-            if finished:
+                votes = _min_in_group([-furthest, int(not finished), int(not live), int(not grace_over),
+                                       int(not stall_over)], self.device)
+                furthest, finished, live, grace_over, stall_over = -votes[0], *(not v for v in votes[1:])
+            what = front_verdict(step, furthest, finished, live)
+            if what == "left":
                 raise LeftBehind(step, max(furthest, step))
-            if furthest <= step or (not live and furthest == step + 1):
+            if what == "train":
                 if since is not None:
                     print(f"rank {self.rank}: at the run's front again at step {step}", flush=True)
+                    self.status(f"step {step}")
                 return
             if since is None:
                 since = step
                 print(f"rank {self.rank}: at step {step} behind the run (step {furthest} committed): "
                       + ("waiting to heal from a live peer ahead" if live else "no live peer ahead yet"), flush=True)
-            spent = waited()
-            if not live and spent > liveness.REJOIN_GRACE_S or spent > STALL_S:
+            if (not live and grace_over) or stall_over:
                 raise TrainingStopped(
                     f"rank {self.rank}: at step {step} behind the run (step {furthest} was committed), and "
                     + ("no replica ahead of it is alive to heal from" if not live else
@@ -477,10 +486,15 @@ class FtMembership(Membership):
                 with self.clock("pace"):
                     time.sleep(spare)
         self.last_begin = time.perf_counter()
+        first, heals = self.first or self.quorum_at is None, self.heals
         if not self.first:  # the waiting loop's last quorum is the first step's
             self._quorum()
         self.first = False
-        self.keep_to_the_front(end)
+        # Behind the run only if this replica missed a quorum the others formed: it was away (this quorum returned long
+        # after the last), a step of its was void, it healed, or this is its first; a group's processes always vote.
+        away = self.quorum_at is None or time.monotonic() - self.quorum_at > liveness.CHECK_AFTER_S
+        self.keep_to_the_front(end, check=self.sharded or first or away or self.voided or self.heals > heals)
+        self.quorum_at = time.monotonic()
         step = self.manager.current_step()
         crash = os.environ.get(FAULT_CRASH, "").split(":")
         if len(crash) == 2 and int(crash[0]) == self.rank and step >= int(crash[1]) and not self.rejoin:
@@ -570,6 +584,7 @@ class FtMembership(Membership):
 
     def end_step(self, row: dict | None) -> None:
         """The status file says the step committed; a step voided again and again for VOID_S stops the run."""
+        self.voided = row is None
         if row is not None:
             self.void_since, self.voids = None, 0
             self.status(f"step {row['step']}")
@@ -600,6 +615,19 @@ class FtMembership(Membership):
     def summary_extras(self, digest: list | None) -> dict:
         """The replica's (its group's) digest, which the launcher compares across replicas."""
         return {"rank": self.rank, **({"group_size": self.group.size} if self.sharded else {}), "digest": digest}
+
+
+def front_verdict(step: int, furthest: int, finished: bool, live: bool) -> str:
+    """What a replica at `step` does after a quorum, from the run's files (FtMembership.keep_to_the_front): 'left' (a
+    replica finished the run without it: stop without training), 'train' (at the front; or exactly one step behind
+    replicas none of which is alive: a step committed alone by a replica that died with it, redone), 'heal' (a live
+    replica ahead: void the step and ask again) or 'wait' (behind replicas none of which is alive, by more than one
+    step: a stalled one may wake within the grace; then stop)."""
+    if finished:
+        return "left"
+    if furthest <= step or (not live and furthest == step + 1):
+        return "train"
+    return "heal" if live else "wait"
 
 
 def _all_in_group(ok: bool, device: torch.device) -> bool:

@@ -400,6 +400,7 @@ class Supervisor:
                     self.stop()  # a replica still waiting to rejoin a finished run
                     self.polling = False
                     return
+                self.stop()  # (the restarted ones that never healed: before the checkpoints are read)
                 raise TrainingStopped(
                     f"all {n} replicas are dead at step {self.committed()}; nobody is left to heal the others"
                     f"{self.last_crash()}. " + self.after_stop())
@@ -476,7 +477,7 @@ class Supervisor:
                 self.kills.append(Kill(r, None, 0, done=True))
 
     def after_stop(self) -> str:
-        """What --resume does with the run folder a stopped launch leaves."""
+        """What --resume does with the run folder a stopped launch leaves (read once every replica is stopped)."""
         from . import checkpoint
 
         path = self.out / "checkpoint"
@@ -502,6 +503,7 @@ class Supervisor:
     def stop_with(self, rank: int, code: int, process: int = 0) -> None:
         """Stop the run with the one line the replica stopped with: its log's 'error: ' line (bad input, exit 2),
         its 'stopped: ' line (exit 3), or for a crash past its restarts its last line and where its log is."""
+        self.stop()  # every replica first: no writer changes the checkpoints while after_stop reads them
         log = self.out / "replicas" / _log_name(rank, process)
         lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
         if code in (BAD_INPUT, CANNOT_GO_ON):
@@ -586,17 +588,20 @@ def kill_plan(schedule: failures.Schedule, explicit: list[str], n: int,
 
 
 def stall_plan(specs: list[str], n: int) -> list[Kill]:
-    """--stall RANK:STEP:SECONDS: SIGSTOP rank's processes once STEP is committed, SIGCONT SECONDS later."""
+    """--stall RANK:STEP:SECONDS: SIGSTOP rank's processes once STEP is committed, SIGCONT SECONDS later (SECONDS
+    `end`: once every other replica has ended, a stall that outlasts the run)."""
     stalls = []
     for spec in specs:
         try:
             rank, at, seconds = spec.split(":")
-            stalls.append(Kill(int(rank), int(at), None, what="stall", seconds=float(seconds)))
+            stalls.append(Kill(int(rank), int(at), None, what="stall", seconds=math.inf if seconds == "end" else float(seconds)))
         except ValueError:
-            raise UsageError(f"--stall {spec!r}: expected RANK:STEP:SECONDS") from None
+            raise UsageError(f"--stall {spec!r}: expected RANK:STEP:SECONDS or RANK:STEP:end") from None
         k = stalls[-1]
-        if not (0 <= k.rank < n and k.at_step >= 1 and math.isfinite(k.seconds) and k.seconds > 0):
-            raise UsageError(f"--stall {spec!r}: the rank must be in 0..{n - 1}, STEP at least 1, SECONDS positive")
+        if not (0 <= k.rank < n and k.at_step >= 1 and not math.isnan(k.seconds) and k.seconds > 0) or (
+                math.isinf(k.seconds) and seconds != "end"):
+            raise UsageError(f"--stall {spec!r}: the rank must be in 0..{n - 1}, STEP at least 1, SECONDS positive "
+                             "(or end)")
     return stalls
 
 
@@ -613,7 +618,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "lighthouse:STEP[:SECONDS]: the lighthouse killed, a new one started after SECONDS (never without)")
     parser.add_argument("--stall", action="append", default=[],
                         help="RANK:STEP:SECONDS: SIGSTOP the rank's processes once STEP is committed, SIGCONT after SECONDS "
-                             "(a straggler)")
+                             "(a straggler); RANK:STEP:end: SIGCONT once every other replica has ended (a stall that "
+                             "outlasts the run: the replica wakes behind a finished run and stops without training)")
     config_mod.add_flag(parser, "group-size", type=int, default=1,
                         help="processes per replica group, FSDP2 sharding the model among them (needs --shard fsdp)")
     config_mod.add_flag(parser, "min-step-s", type=float, default=0.0, help="pace steps to at least this long (so kills land)")

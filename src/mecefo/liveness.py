@@ -234,6 +234,8 @@ class _ArrivalChecked:
 
     lighthouse: str = ""
     recorder: QuorumRecorder | None = None
+    session: str = ""  # this quorum's identity, the same in every member (its store prefix), and this member's rank in it
+    member_rank: int = -1
     rendezvous_timeout_applies = True  # gloo connects at creation; NCCL's communicator is made at its first collective
 
     def configure(self, store_addr, replica_id, rank, world_size, quorum_id=None, group_rank=None,
@@ -242,7 +244,9 @@ class _ArrivalChecked:
         members = sorted(last.replica_ids) if last is not None else []
         if self.recorder is not None:
             self.recorder.configured = members
-        store_addr = f"{store_addr}/mecefo-{stable_hash([quorum_id, last.max_step if last else None, members])}"
+        self.session = stable_hash([quorum_id, last.max_step if last else None, members])  # (mecefo.heal binds its
+        self.member_rank = rank  # MACs to the quorum and the ranks: the same session in every member)
+        store_addr = f"{store_addr}/mecefo-{self.session}"
         arrive(store_addr, rank, world_size, Watch(self.lighthouse, members, quorum_id), self._timeout.total_seconds())
         long, short = self._timeout, timedelta(seconds=min(RENDEZVOUS_S, self._timeout.total_seconds()))
         self._timeout = short if self.rendezvous_timeout_applies else long

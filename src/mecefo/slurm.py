@@ -46,12 +46,11 @@ from pathlib import Path
 from . import chaos
 from . import config as config_mod
 from .errors import BAD_INPUT, CANNOT_GO_ON, UsageError, guarded
-from .launch import TRAINING
 from .processes import die_with_parent
 from .progress import ProgressLine
 from .records import atomic_write_text, read_rows
 from .ft import exit_path
-from .runfiles import read_config, read_replica_status
+from .runfiles import TRAINING, read_config, read_replica_status
 
 POLL_S = 0.05
 LIGHTHOUSE_PORT = 29510
