@@ -146,8 +146,9 @@ def _twin(s: Schedule, out: Path, scratch: Path, backend: str = "local") -> floa
     from mecefo.train import main as train_main
 
     twin = scratch / f"twin-{backend}"
-    args = [a for a in s.args() if a not in ("--shard", "fsdp", "--group_size", str(s.group_size))] if s.group_size > 1 \
-        else s.args()
+    args = s.args()
+    if s.group_size > 1:  # (the flags of the groups dropped, with their values: not another flag's value)
+        args = args[:args.index("--shard")] + args[args.index("--shard") + 4:]
     args = [*args, "--quiet", "--out", str(twin), "--failures", f"steps:{out / 'failed_steps.json'}"]
     if backend == "local":
         code = train_main(args)
