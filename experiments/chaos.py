@@ -457,7 +457,7 @@ def summarise(runs: list[dict]) -> dict:
             "skipped": sorted({r["skipped"] for r in runs if r["family"] == f and r.get("skipped")}),
             "left_behind": sum(len(r.get("left_behind", [])) for r in mine),
             "torn_resumes": sum(r.get("torn_resumes", 0) for r in mine),
-            "violations": sum(len(r["violations"]) for r in mine), "resumed_after_all_down": sum(r["resumed"] for r in mine),
+            "violations": sum(len(r["violations"]) for r in mine), "resumed_after_all_down": sum("all_down_checkpoint_step" in r for r in mine),  # (not a full disk's resume)
             **{k: _quantiles([t for r in mine for t in r.get(k, [])]) for k in TIMINGS},
             "restart_to_waiting_s": _quantiles([p["to_waiting_s"] for r in mine for p in r["phases"]
                                                 if p["to_waiting_s"] is not None]),
