@@ -61,7 +61,7 @@ FAULT_DIE_IN_QUORUM = "MECEFO_FT_FAULT_DIE_IN_QUORUM"  # R[,R..]:STEP[;...]: the
 #   the first new quorum (a changed membership) at or after step STEP forms, before its process group is built: the
 #   survivors then meet a dead member at the quorum's store
 FAULT_CRASH = "MECEFO_FT_FAULT_CRASH"  # R:STEP: rank R raises an exception at step STEP (a crash: exit status 1)
-FAULT_HEAL = "MECEFO_FT_FAULT_HEAL"  # R/J: process J of rank R's replica group fails its first heal (its source "died")
+FAULT_HEAL = "MECEFO_FT_FAULT_HEAL"  # R/J: process J of rank R's replica group fails its heals (its source "died")
 FAULT_ABANDON = "MECEFO_FT_FAULT_ABANDON"  # R:STEP: rank R leaves step STEP's exchange without a collective (an error
 #   of its own, alive): its peers are left blocked in the collective on it
 FAULT_LONE_COMMIT = "MECEFO_FT_FAULT_LONE_COMMIT"  # R:STEP: only rank R commits step STEP (every other replica's commit
@@ -249,7 +249,7 @@ class FtMembership(Membership):
         pg.recorder = self.manager._client = liveness.QuorumRecorder(self.manager._client, self._die_in_quorum)
         pg.recorder.gone, pg.recorder.manager = self.members_gone, self.manager
         if os.environ.get(FAULT_HEAL) == f"{self.rank}/{self.group.rank}" and not self.rejoin:
-            self.manager._checkpoint_transport.recv_checkpoint = _fails_once(self.manager._checkpoint_transport.recv_checkpoint)
+            self.manager._checkpoint_transport.recv_checkpoint = _fails_after(self.manager._checkpoint_transport.recv_checkpoint)
         pg.lighthouse = self.lighthouse
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
         if self.wait():
@@ -639,15 +639,15 @@ def _all_in_group(ok: bool, device: torch.device) -> bool:
     return bool(flag.item())
 
 
-def _fails_once(recv):
-    """A checkpoint transport's recv_checkpoint that fails the first time (FAULT_HEAL)."""
-    calls = []
+def _fails_after(recv):
+    """A checkpoint transport's recv_checkpoint that receives the state and then fails, every time (FAULT_HEAL): the
+    transfer fails at its end, in a quorum where it worked, so that the group's other processes heal in it whatever
+    this machine's timing (a first transfer that failed for real in them too would leave no group healed by halves);
+    the group then kills itself (after_quorum) and its restarted processes heal whole."""
 
     def wrapped(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError(f"an injected failure of this process's heal ({FAULT_HEAL})")
-        return recv(*args, **kwargs)
+        recv(*args, **kwargs)
+        raise RuntimeError(f"an injected failure of this process's heal ({FAULT_HEAL})")
 
     return wrapped
 
