@@ -12,12 +12,14 @@ techniques act on; on leaving it removes them, so outside (normal mode) the mode
 are exactly its own (nothing is wrapped, nothing registered):
 - skip_attention: each block's attention module runs under no_grad (its output feeds the residual; no
   gradient reaches its parameters nor, through it, the norm before it, which feeds nothing else);
-- recompute_ffn: each block's FFN module runs under torch's non-reentrant checkpoint (its intermediates
-  recomputed in backward). Where the FFN's RMSNorm sits outside the FFN module (Hugging Face's
-  post_attention_layernorm), the checkpoint keeps the norm's output and the norm keeps its own saved
-  input: one more (B, T, D) tensor per layer than our GPT, whose checkpoint spans norm and FFN;
-- low_rank_wgrad: the FFN's linears compute y = x W^T with the low-rank weight gradient of
-  mecefo.neighbour (G_W ~ G_y^T (x V1) V1^T), during the forward and the checkpoint's recomputation alike;
+- recompute_ffn, low_rank_wgrad: a gated FFN (gate, up, down linears and an activation, SwiGLU's SiLU by
+  default or the module's act_fn) runs as mecefo.neighbour.NeighbourFFN, as our GPT's does: it keeps its
+  input (and the three x V1 under low_rank_wgrad), recomputes gate and up in backward, and accumulates the
+  low-rank factors in fp32 buffers. Where the FFN's RMSNorm sits outside the FFN module (Hugging Face's
+  post_attention_layernorm), the Function keeps the norm's output and the norm keeps its own saved input:
+  one more (B, T, D) tensor per layer than our GPT, whose Function spans norm and FFN. An FFN with another
+  number of linears runs under torch's non-reentrant checkpoint, its linears as mecefo.neighbour's
+  low-rank linear, during the forward and the checkpoint's recomputation alike;
 - skip_ffn: the FFN module runs under no_grad; low_rank_head: the LM head as low_rank_wgrad's linears.
 These are mecefo.neighbour's techniques (the same Neighbour object, the same LowRankWgrad), applied by module
 name instead of by our model's code: on our GPT with the "mecefo" layout they give its own neighbour mode's
@@ -33,7 +35,9 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .neighbour import Neighbour, low_rank_linear
+import torch.nn.functional as F
+
+from .neighbour import Neighbour, low_rank_linear, neighbour_ffn
 
 
 @dataclass(frozen=True)
@@ -128,6 +132,16 @@ class Adapter:
     def _ffn(self, ffn: torch.nn.Module, neighbour: Neighbour):
         t, original = neighbour.techniques, _own(ffn)
         linears = [ffn.get_submodule(n) for n in self.layout.ffn_linears]
+        if len(linears) == 3:  # a gated FFN (gate, up, down): mecefo.neighbour's NeighbourFFN, as our own GPT's
+            act = getattr(ffn, "act_fn", F.silu)  # (Hugging Face's MLPs name their activation act_fn)
+            lowrank = neighbour.lowrank if t.low_rank_wgrad else None
+
+            def fused(x, *args, **kwargs):
+                if not torch.is_grad_enabled() or args or kwargs:
+                    return original(x, *args, **kwargs)
+                return neighbour_ffn(x, None, linears, act, lowrank, t.recompute_ffn)
+
+            return fused
 
         def run(*args, **kwargs):
             if not t.low_rank_wgrad:

@@ -10,11 +10,11 @@ causal masking not discounted; backward = two products per forward product):
     attention forward   A_f = 8 N D^2 + 4 N T D          backward A_b = 16 N D^2 + 8 N T D
     FFN forward         F_f = 6 N D F                    backward F_b = 12 N D F
     skip_attention      A_b -> 0                         skip_ffn    F_b -> 0
-    recompute_ffn       + 4 N D F (gate and up are recomputed; torch's non-reentrant checkpoint stops
-                        before the down projection, whose saved tensors are already rebuilt)
-    low_rank_wgrad      forward + sum_W 2 N n r (x V1 of gate, up, down; W is m x n, V1 is n x r);
+    recompute_ffn       + 4 N D F (gate and up are recomputed in mecefo.neighbour.NeighbourFFN's backward; the
+                        down projection's output is not needed there and is not rerun)
+    low_rank_wgrad      forward + sum_W 2 N n r (x V1 of gate, up, down; W is m x n, V1 is n x r), kept;
                         backward 6 N D F (exact Dgrad) + sum_W 2 N m r (the factors G_y^T x V1);
-                        recomputation then repeats the whole FFN forward: + 6 N D F + sum_W 2 N n r
+                        with recompute_ffn the same + 4 N D F (gate and up; the x V1 were kept)
     per optimizer step  + sum_W 2 r m n (factor V1^T; once, however many micro-batches: 6 r D F for equal r)
 Model level: LM head 2 N D V forward, 4 N D V backward; the embedding lookup costs no FLOPs.
 SVD refresh (not counted by FlopCounterMode; estimated): exact thin SVD 4 m n^2 + 8 n^3 (m >= n),
@@ -65,9 +65,7 @@ def analytic_flops(cfg: ModelConfig, shape: Shape, techniques: Techniques, r: fl
     if techniques.skip_ffn:
         ffn = 6 * n * d * f
     elif techniques.low_rank_wgrad:
-        ffn = 6 * n * d * f + lowrank_fwd + 6 * n * d * f + lowrank_factor
-        if techniques.recompute_ffn:
-            ffn += 6 * n * d * f + lowrank_fwd
+        ffn = 6 * n * d * f + lowrank_fwd + 6 * n * d * f + lowrank_factor + (4 * n * d * f if techniques.recompute_ffn else 0)
     else:
         ffn = 18 * n * d * f + (4 * n * d * f if techniques.recompute_ffn else 0)
     wgrad_apply = cfg.n_layers * sum(2 * w * rows * cols for rows, cols, w in mats) if techniques.low_rank_wgrad else 0

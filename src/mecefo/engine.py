@@ -139,20 +139,24 @@ class StepEngine:
         x, y = self.data.micro_batch(self.seed, self.current_step, rank=p.owner, micro=p.micro, n_ranks=self.n_ranks)
         return x[p.start:p.stop], y[p.start:p.stop]
 
-    def forward_backward(self, x: np.ndarray, y: np.ndarray, techniques: Techniques, weight: float) -> float:
+    def forward_backward(self, x: np.ndarray, y: np.ndarray, techniques: Techniques, weight: float) -> torch.Tensor:
         """Forward and backward of the rows, weight * gradient of their mean loss accumulated into .grad;
-        returns the mean loss."""
+        returns the mean loss, a tensor on the device (read once per step: no host sync per piece)."""
         x, y = torch.as_tensor(x, device=self.device), torch.as_tensor(y, device=self.device)
         with self.autocast():
             loss = self.model(x, y, neighbour=self.neighbour(techniques))
         (loss * weight).backward() if weight != 1 else loss.backward()
-        return loss.item()
+        return loss.detach()
 
-    def run_piece(self, p: Piece, weight: float) -> float:
+    def zero_sum(self) -> torch.Tensor:
+        """A loss sum on the device in fp64: the same arithmetic as Python floats of each piece's loss."""
+        return torch.zeros((), dtype=torch.float64, device=self.device)
+
+    def run_piece(self, p: Piece, weight: float) -> torch.Tensor:
         """Forward and backward of one piece, weight * gradient accumulated into .grad; returns its loss."""
         return self.forward_backward(*self.rows(p), p.techniques, weight)
 
-    def run_batch(self, pieces: list[Piece]) -> tuple[float, float]:
+    def run_batch(self, pieces: list[Piece]) -> tuple[torch.Tensor, float]:
         """Pieces with the same techniques in one forward and backward, their rows concatenated: with R rows
         of micro-batches of b rows, sum_p w_p grad(mean loss of p) = (R / b) grad(mean loss of the R rows),
         and sum_p w_p = R / b. Returns (sum w * loss, sum w)."""
@@ -162,13 +166,14 @@ class StepEngine:
         weight = sum(p.weight for p in pieces)
         loss = self.forward_backward(np.concatenate([x for x, _ in rows]), np.concatenate([y for _, y in rows]),
                                      pieces[0].techniques, weight)
-        return loss * weight, weight
+        return loss.double() * weight, weight
 
-    def run_pieces(self, pieces) -> tuple[float, float]:
-        """Forward and backward of the pieces, gradients accumulated into .grad; returns (sum w*loss, sum w)."""
-        loss_sum, weight_sum = 0.0, 0.0
+    def run_pieces(self, pieces) -> tuple[torch.Tensor, float]:
+        """Forward and backward of the pieces, gradients accumulated into .grad; returns (sum w*loss on the device,
+        sum w)."""
+        loss_sum, weight_sum = self.zero_sum(), 0.0
         for p in pieces:
-            loss_sum += self.run_piece(p, p.weight) * p.weight
+            loss_sum = loss_sum + self.run_piece(p, p.weight).double() * p.weight
             weight_sum += p.weight
         self.lowrank.finish()
         return loss_sum, weight_sum
@@ -180,8 +185,9 @@ class StepEngine:
         self.model.zero_grad(set_to_none=True)
         loss_sum, weight_sum = self.run_pieces(plan.pieces.get(self.rank, ()))
         params = list(self.model.parameters())
+        sums = torch.stack([loss_sum, torch.tensor(weight_sum, dtype=torch.float64, device=self.device)])
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
-                         + [torch.tensor([loss_sum, weight_sum], device=self.device, dtype=params[0].dtype)])
+                         + [sums.to(params[0].dtype)])
         if self.all_reduce is not None:
             with self.clock("exchange"):
                 self.all_reduce(flat)
@@ -270,13 +276,13 @@ class Batched(StepEngine):
         for rank in sorted(plan.pieces):
             for p in plan.pieces[rank]:
                 batches.setdefault((p.micro, p.techniques, p.batch), []).append(p)
-        loss_sum, weight_sum = 0.0, 0.0
+        loss_sum, weight_sum = self.zero_sum(), 0.0
         for pieces in batches.values():
             ls, ws = self.run_batch(pieces)
             loss_sum, weight_sum = loss_sum + ls, weight_sum + ws
         self.lowrank.finish()
         self.normalise(plan.counts(len(self.model.layers)))
-        return StepResult(loss_sum / max(weight_sum, 1e-12), plan.samples())
+        return StepResult((loss_sum / max(weight_sum, 1e-12)).item(), plan.samples())
 
 
 class Replicated(StepEngine):
@@ -427,14 +433,14 @@ class Sharded(StepEngine):
 
         self.current_step = plan.step
         self.model.zero_grad(set_to_none=True)
-        loss_sum, weight_sum = 0.0, 0.0
+        loss_sum, weight_sum = self.zero_sum(), 0.0
         for piece, weight in self.shares(plan):  # each backward reduce-scatters and accumulates into the shards
             loss = self.run_piece(piece, weight)
-            loss_sum, weight_sum = loss_sum + loss * weight, weight_sum + weight
+            loss_sum, weight_sum = loss_sum + loss.double() * weight, weight_sum + weight
         j, k = self.shard_group
         with self.clock("exchange"):
             add_low_rank_rows(self.model, self.lowrank, plan, j, k, dist.all_reduce)
-            totals = torch.tensor([loss_sum, weight_sum], device=self.device, dtype=torch.float64)
+            totals = torch.stack([loss_sum, torch.tensor(weight_sum, dtype=torch.float64, device=self.device)])
             dist.all_reduce(totals)  # the group's sums (its gradient shards are summed by FSDP's reduce-scatter)
             if self.all_reduce is not None:
                 totals = self._cross_groups(totals)

@@ -82,9 +82,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return y.type_as(x) * self.weight
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm's formula (the module's forward, and mecefo.neighbour.NeighbourFFN's recomputation)."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return y.type_as(x) * weight
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,7 +163,7 @@ class Block(nn.Module):
             return h + self.ffn(self.ffn_norm(h))
         # a MeCeFO neighbour's micro-batch (mecefo.neighbour): the same sublayers, wrapped
         h = x + neighbour.attention(self.attention_sublayer, x, cos, sin)
-        return h + neighbour.ffn(self.ffn_sublayer, h)
+        return h + neighbour.ffn(self, h)
 
 
 class GPT(nn.Module):

@@ -7,14 +7,20 @@ model and no copied weights:
 - skip_attention: attention runs in the forward pass (the loss is unchanged) under no_grad, so no attention
   activation is kept and no gradient flows through it; the block input receives the residual path's
   gradient only, and the attention parameters (with their RMSNorm) receive none from this micro-batch.
-- recompute_ffn: the FFN sublayer (its RMSNorm and SwiGLU) keeps only its input; the intermediates are
-  recomputed in the backward pass (torch's non-reentrant checkpoint). Gradients equal normal mode.
+- recompute_ffn: the FFN sublayer (its RMSNorm and SwiGLU) keeps only its input; the gate and up projections
+  are recomputed in the backward pass (the down projection's output is not needed there and is not rerun).
+  Gradients equal normal mode.
 - low_rank_wgrad: every FFN linear y = x W^T (W is m x n, x is b x n) saves x V1 (b x r) instead of x, with V1
   (n x r) the top-r right singular vectors of W. The input gradient is exact, G_x = G_y W; the weight gradient
   is the exact one projected on span(V1):
         G_W ~= G_y^T (x V1) V1^T  =  (G_y^T x) V1 V1^T,
   costing 2bnr (forward) + 2bmr (backward) + 2rmn instead of 2bmn. The r-column factor G_y^T (x V1) (m x r)
-  is accumulated over the micro-batches of a step and multiplied by V1^T once, in `finish()`.
+  is computed in the compute dtype and accumulated in fp32, in place, into one buffer per matrix (allocated at
+  its first use) over the micro-batches of a step, and multiplied by V1^T once, in `finish()`.
+Under recompute_ffn and/or low_rank_wgrad the FFN sublayer is one autograd Function (`NeighbourFFN`): the
+forward keeps the sublayer's input and, under low_rank_wgrad, the three products x V1; the backward recomputes
+only what it needs (gate and up, or nothing when they were kept), so the techniques cost their FLOPs
+(mecefo.costs) and no more.
 - skip_ffn: the FFN runs forward only (no gradient through it): the paper's Figure 3 comparison.
 
 Parameters outside attention and FFN (embedding, LM head, final RMSNorm) get exact gradients on the
@@ -32,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .model import ffn_linears
+from .model import ffn_linears, rms_norm
 
 TECHNIQUES = ("skip_attention", "recompute_ffn", "low_rank_wgrad", "skip_ffn", "low_rank_head")
 
@@ -131,7 +137,8 @@ class LowRankWgrad:
         self.oversample, self.niter, self.exact_limit, self.seed = oversample, niter, exact_limit, seed
         self.steps = 0
         self._basis: dict[torch.nn.Module, tuple[torch.Tensor, int]] = {}
-        self._pending: dict[torch.nn.Module, torch.Tensor] = {}
+        self._factors: dict[torch.nn.Module, torch.Tensor] = {}  # per matrix: its m x r buffer, allocated once
+        self._used: dict[torch.nn.Module, None] = {}  # the matrices with a factor this step (ordered)
         self._names: dict[torch.nn.Module, str] = {}
         self.svd_count = 0
 
@@ -199,13 +206,32 @@ class LowRankWgrad:
             m = modules[name]
             self._basis[m] = (v.to(next(m.parameters()).device), e)
 
-    def add(self, linear: torch.nn.Module, factor: torch.Tensor) -> None:
-        pending = self._pending.get(linear)
-        self._pending[linear] = factor if pending is None else pending + factor
+    def accumulate(self, linear: torch.nn.Module, grad_y: torch.Tensor, xv: torch.Tensor) -> None:
+        """factor(linear) += G_y^T (x V1) (m x r), G_y (N x m) and x V1 (N x r) in the compute dtype, the sum in fp32 at
+        least, in place in the matrix's buffer (fp32 inputs: one addmm; bf16 on CUDA: one GEMM with fp32 output, no
+        fp32 copy of G_y)."""
+        acc = torch.promote_types(grad_y.dtype, torch.float32)
+        buf = self._factors.get(linear)
+        if buf is None or buf.dtype != acc or buf.shape != (grad_y.shape[1], xv.shape[1]) or buf.device != grad_y.device:
+            buf = self._factors[linear] = torch.zeros(grad_y.shape[1], xv.shape[1], dtype=acc, device=grad_y.device)
+        self._used[linear] = None
+        if grad_y.dtype == acc:  # (addmm with out=: in place, and counted by FlopCounterMode, which addmm_ is not)
+            torch.addmm(buf, grad_y.T, xv.to(acc), out=buf)
+        elif grad_y.is_cuda:
+            buf.add_(torch.ops.aten.mm.dtype(grad_y.T, xv, acc))
+        else:  # (a CPU has no low-precision GEMM with fp32 output)
+            torch.addmm(buf, grad_y.T.to(acc), xv.to(acc), out=buf)
 
     @property
     def pending(self) -> dict[torch.nn.Module, torch.Tensor]:
-        return self._pending
+        """The factors of this step (linear -> its m x r buffer), in the order they were first added."""
+        return {m: self._factors[m] for m in self._used}
+
+    def clear(self, linears=None) -> None:
+        """Zero the factors of these matrices (all: None) and forget them for this step (after they were applied)."""
+        for m in list(self._used) if linears is None else [m for m in linears if m in self._used]:
+            self._factors[m].zero_()
+            del self._used[m]
 
     def gradient(self, linear: torch.nn.Module, factor: torch.Tensor) -> torch.Tensor:
         """factor V1^T (m x n), the low-rank weight gradient, in fp32 or better."""
@@ -213,19 +239,29 @@ class LowRankWgrad:
 
     @torch.no_grad()
     def finish(self) -> None:
-        """weight.grad += factor V1^T for every matrix with a pending factor (once per optimizer step)."""
-        for linear, factor in self._pending.items():
+        """weight.grad += factor V1^T for every matrix with a factor this step (once per optimizer step)."""
+        for linear, factor in self.pending.items():
             weight = linear.weight
-            g = self.gradient(linear, factor).to(weight.dtype)
-            weight.grad = g if weight.grad is None else weight.grad.add_(g)
-        self._pending.clear()
+            v1 = self._basis[linear][0]
+            if weight.grad is not None and weight.grad.dtype == factor.dtype and not hasattr(weight.grad, "to_local"):
+                torch.addmm(weight.grad, factor, v1.T.to(factor.dtype), out=weight.grad)
+            else:
+                g = self.gradient(linear, factor).to(weight.dtype)
+                weight.grad = g if weight.grad is None else weight.grad.add_(g)
+        self.clear()
 
 
 def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
-    """The dtype autocast would run a linear layer on x in, or None when autocast is off for x's device."""
+    """The dtype autocast would run a linear layer on x in, or None when autocast is off for x's device or leaves x
+    alone (float64 is not autocast-eligible: nn.Linear stays in float64)."""
     kind = x.device.type
-    on = kind != "meta" and torch.is_autocast_enabled(kind)
+    on = kind != "meta" and torch.is_autocast_enabled(kind) and x.dtype != torch.float64
     return torch.get_autocast_dtype(kind) if on else None
+
+
+def _autocast_off(x: torch.Tensor):
+    """A region where autocast is off for x's device (nothing to turn off: a null context, as on the meta device)."""
+    return torch.autocast(x.device.type, enabled=False) if _autocast_dtype(x) else contextlib.nullcontext()
 
 
 class _LowRankLinear(torch.autograd.Function):
@@ -249,10 +285,90 @@ class _LowRankLinear(torch.autograd.Function):
         xv, w = ctx.saved_tensors
         grad_y = grad_y.to(w.dtype)
         grad_x = (grad_y @ w).to(ctx.x_dtype)
-        acc = torch.promote_types(w.dtype, torch.float32)  # the factor accumulates in fp32 at least
-        factor = grad_y.reshape(-1, grad_y.shape[-1]).T.to(acc) @ xv.reshape(-1, xv.shape[-1]).to(acc)
-        ctx.lowrank.add(ctx.linear, factor)
+        ctx.lowrank.accumulate(ctx.linear, grad_y.reshape(-1, grad_y.shape[-1]), xv.reshape(-1, xv.shape[-1]))
         return grad_x, None, None, None, None
+
+
+class NeighbourFFN(torch.autograd.Function):
+    """The FFN sublayer of a block under recompute_ffn and/or low_rank_wgrad, as one Function:
+        n = norm(h)  (our GPT's RMSNorm; the identity where the norm sits outside the FFN module: Hugging Face's)
+        g = n W_g^T,  u = n W_u^T,  a = act(g) u,  y = a W_d^T          (act: SiLU for SwiGLU)
+    forward keeps h and, under low_rank_wgrad, n V1_g, n V1_u, a V1_d (N x r each); without recompute_ffn also g and u.
+    backward, G_y given:
+        recompute_ffn: g, u from h (4 N D F FLOPs; the down projection is not rerun)
+        G_a = G_y W_d;  G_g, G_u = autograd's own backward of a = act(g) u;  G_n = G_g W_g + G_u W_u
+        weight gradients: exact (G_y^T a, G_g^T n, G_u^T n) or, under low_rank_wgrad, G^T (x V1) accumulated in the
+        LowRankWgrad's fp32 buffers (applied by finish());  G_h and the norm's weight through the norm's own backward.
+    Under autocast the products run in autocast's dtype, as nn.Linear's would (the weights cast again in backward,
+    never saved); without it in the input's dtype. The elementwise parts reuse the modules' own code (norm, act), so
+    that the numerics are the plain model's."""
+
+    @staticmethod
+    def forward(ctx, h, norm_weight, w_gate, w_up, w_down, parts):
+        eps, act, linears, lowrank, recompute = parts
+        dtype = _autocast_dtype(h) or h.dtype
+        with _autocast_off(h):
+            n = rms_norm(h, norm_weight, eps) if norm_weight is not None else h
+            nc = n.to(dtype)
+            g, u = F.linear(nc, w_gate.to(dtype)), F.linear(nc, w_up.to(dtype))
+            a = act(g) * u
+            y = F.linear(a, w_down.to(dtype))
+            saved = [h, norm_weight] + ([] if recompute else [g, u])
+            if lowrank is not None:
+                v = [lowrank.basis(m).to(dtype) for m in linears]
+                saved += [nc @ v[0], nc @ v[1], a @ v[2]]
+        ctx.save_for_backward(*saved)
+        ctx.parts, ctx.dtype, ctx.n_dtype = parts, dtype, n.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        eps, act, linears, lowrank, recompute = ctx.parts
+        saved, dtype = ctx.saved_tensors, ctx.dtype
+        h, norm_weight = saved[0], saved[1]
+        w_gate, w_up, w_down = (m.weight.to(dtype) for m in linears)
+        with _autocast_off(h):
+            with torch.enable_grad():  # (fresh leaves: the grads come back through this Function's outputs)
+                h_ = h.detach().requires_grad_()
+                w_ = norm_weight.detach().requires_grad_() if norm_weight is not None else None
+                n = rms_norm(h_, w_, eps) if w_ is not None else h_
+            nc = n.detach().to(dtype)
+            if recompute:  # gate and up again; the down projection is not needed
+                g, u = F.linear(nc, w_gate), F.linear(nc, w_up)
+            else:
+                g, u = saved[2], saved[3]
+            with torch.enable_grad():
+                g_, u_ = g.detach().requires_grad_(), u.detach().requires_grad_()
+                a = act(g_) * u_
+            grad_y = grad_y.to(dtype)
+            grad_a = (grad_y @ w_down).to(a.dtype)
+            grad_g, grad_u = torch.autograd.grad(a, (g_, u_), grad_a)
+            grad_n = ((grad_g @ w_gate).to(ctx.n_dtype) + (grad_u @ w_up).to(ctx.n_dtype))
+            flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
+            grads = [None, None, None]
+            if lowrank is not None:
+                xv_g, xv_u, xv_d = saved[-3:]
+                lowrank.accumulate(linears[2], flat(grad_y), flat(xv_d))
+                lowrank.accumulate(linears[1], flat(grad_u), flat(xv_u))
+                lowrank.accumulate(linears[0], flat(grad_g), flat(xv_g))
+            else:  # exact: the plain model's weight gradients
+                grads = [(flat(grad_g).T @ flat(nc)).to(w_gate.dtype), (flat(grad_u).T @ flat(nc)).to(w_up.dtype),
+                         (flat(grad_y).T @ flat(a.detach())).to(w_down.dtype)]
+                grads = [gr.to(m.weight.dtype) for gr, m in zip(grads, linears)]
+            if w_ is not None:
+                grad_h, grad_norm = torch.autograd.grad(n, (h_, w_), grad_n)
+            else:
+                grad_h, grad_norm = grad_n, None
+        return grad_h, grad_norm, *grads, None
+
+
+def neighbour_ffn(h: torch.Tensor, norm, linears: list[torch.nn.Linear], act, lowrank, recompute: bool) -> torch.Tensor:
+    """The FFN sublayer y = down(act(gate(n)) * up(n)), n = norm(h) (norm None: n = h), as NeighbourFFN; lowrank: the
+    LowRankWgrad under low_rank_wgrad, else None (exact weight gradients)."""
+    gate, up, down = linears
+    act = getattr(act, "forward", act)  # (a module's own forward: no module hooks run inside the backward)
+    return NeighbourFFN.apply(h, norm.weight if norm is not None else None, gate.weight, up.weight, down.weight,
+                              (norm.eps if norm is not None else None, act, tuple(linears), lowrank, recompute))
 
 
 def low_rank_linear(linear: torch.nn.Linear, x: torch.Tensor, lowrank: LowRankWgrad) -> torch.Tensor:
@@ -279,18 +395,17 @@ class Neighbour:
                 return sublayer(x, cos, sin)
         return sublayer(x, cos, sin)
 
-    def ffn(self, sublayer, h: torch.Tensor) -> torch.Tensor:
-        """FFN(RMSNorm(h)) of the block: low-rank projections, recomputed in backward, or forward only."""
+    def ffn(self, block, h: torch.Tensor) -> torch.Tensor:
+        """FFN(RMSNorm(h)) of a block of our GPT: forward only (skip_ffn), or NeighbourFFN (recompute_ffn, low_rank_wgrad)."""
         t = self.techniques
-        project = self.project if t.low_rank_wgrad else None
-        if t.skip_ffn:
+        if t.skip_ffn or not torch.is_grad_enabled():
             with torch.no_grad():
-                return sublayer(h, project)
-        if t.recompute_ffn and torch.is_grad_enabled():
-            if self.held is not None:
-                self.held.append(h)
-            return checkpoint(sublayer, h, project, use_reentrant=False)
-        return sublayer(h, project)
+                return block.ffn_sublayer(h)
+        if t.recompute_ffn or t.low_rank_wgrad:
+            ffn = block.ffn
+            return neighbour_ffn(h, block.ffn_norm, [ffn.gate_proj, ffn.up_proj, ffn.down_proj], F.silu,
+                                 self.lowrank if t.low_rank_wgrad else None, t.recompute_ffn)
+        return block.ffn_sublayer(h)
 
     def head(self, lm_head: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return low_rank_linear(lm_head, x, self.lowrank) if self.techniques.low_rank_head else lm_head(x)

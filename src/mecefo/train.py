@@ -61,7 +61,9 @@ def build_optimizer(model: torch.nn.Module, optim: config_mod.OptimConfig) -> to
     matrices = [p for p in model.parameters() if p.ndim >= 2]
     vectors = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": matrices, "weight_decay": optim.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), fused=False, foreach=True)
+    fused = all(p.device.type == "cuda" for p in model.parameters())  # one kernel for the whole update on a GPU;
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), fused=fused,  # the CPU's
+                             foreach=not fused)  # foreach path as before (its numerics unchanged)
 
 
 def resolve_device(name: str) -> torch.device:

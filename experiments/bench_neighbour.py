@@ -1,0 +1,167 @@
+"""Benchmark: a neighbour's time where Table 2 is decided. Blocks of the exact layer shapes of llama-350m, llama-1b
+and llama-7b (width D, FFN width F, heads; T = 2048 tokens, one sequence), forward and backward from a fixed upstream
+gradient, on this CPU: a normal micro-batch, and a failed one under each technique alone and the three together.
+
+    python -m experiments.bench_neighbour [--quick]      (--quick: tiny and small shapes, T = 256, for CI)
+
+For each shape and technique set: the time ratio to the normal micro-batch (the median over rounds, the settings
+alternating within each round), the FLOP ratio (mecefo.costs' closed forms: attention and FFN of a layer), their
+quotient (1: the technique runs at its FLOP floor), and the activation bytes a block keeps for backward (saved
+tensors once per storage, parameters excluded, as mecefo.costs counts them). Under low_rank_wgrad the per-step apply
+(factor V1^T) is timed with the micro-batch, and the refresh of V1 (the three FFN matrices' SVDs, the method
+mecefo.neighbour picks for the shape) once, amortised over tau = 50 steps: both in the time and in the FLOPs (the
+SVD's by mecefo.costs.svd_flops' estimate). The host-overhead proxy: a block of width 8 and 4 tokens, where the time
+is the host's, the neighbour's micro-batch against a normal one. Writes results/bench/neighbour-<profile>.json;
+Table 2 and the simulator read the measured c from it as a reading beside the FLOP one (mecefo.simulator: c_time).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+
+from mecefo.costs import Shape, analytic_flops, svd_flops
+from mecefo.model import Block, ModelConfig, preset, rope_tables
+from mecefo.neighbour import LowRankWgrad, Neighbour, Techniques, resolve_r
+from mecefo.records import atomic_write_json, git_commit, package_versions
+from mecefo.results import quick_flag
+
+from .common import RESULTS, guarded
+
+SETS = {"normal": "normal", "skip_attention": "skip_attention", "recompute_ffn": "recompute_ffn",
+        "low_rank_wgrad": "low_rank_wgrad", "mecefo": "mecefo"}
+TAU, R = 50, 0.125  # the V1 refresh interval and width of the paper's runs (Table 4: tau 50 steps; r D/8)
+
+
+def _layer_cfg(name: str, blocks: int) -> ModelConfig:
+    cfg = preset(name)
+    return ModelConfig(vocab_size=8, dim=cfg.dim, n_layers=blocks, n_heads=cfg.n_heads, ffn_dim=cfg.ffn_dim,
+                       max_seq_len=max(cfg.max_seq_len, 2048))
+
+
+class Stack(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.cfg = cfg
+
+    def ffn_linears(self):
+        return [getattr(b.ffn, n) for b in self.layers for n in ("gate_proj", "up_proj", "down_proj")]
+
+
+def _step(stack: Stack, x: torch.Tensor, grad: torch.Tensor, cos, sin, neighbour) -> None:
+    h = x
+    for block in stack.layers:
+        h = block(h, cos, sin, neighbour)
+    h.backward(grad)
+    if neighbour is not None:
+        neighbour.finish()
+
+
+def _saved_bytes(stack: Stack, x, cos, sin, neighbour) -> int:
+    params = {p.untyped_storage()._cdata for p in stack.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s._cdata not in params:
+            seen[s._cdata] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        h = x
+        for block in stack.layers:
+            h = block(h, cos, sin, neighbour)
+    del h
+    return sum(seen.values()) // stack.cfg.n_layers
+
+
+def measure(name: str, tokens: int, blocks: int, rounds: int) -> dict:
+    cfg = _layer_cfg(name, blocks)
+    torch.manual_seed(0)
+    stack = Stack(cfg)
+    lowrank = LowRankWgrad(r=R, tau=TAU, svd="auto").bind(stack)
+    x = torch.randn(1, tokens, cfg.dim, requires_grad=True)
+    grad = torch.randn(1, tokens, cfg.dim)
+    cos, sin = (t[:tokens] for t in rope_tables(cfg.head_dim, tokens, cfg.rope_theta))
+    neighbours = {k: None if v == "normal" else Neighbour(Techniques.parse(v), lowrank) for k, v in SETS.items()}
+    t0 = time.perf_counter()
+    lowrank.prepare(stack)  # V1 of every FFN matrix: what a refresh costs
+    refresh_s = (time.perf_counter() - t0) / blocks
+    times: dict[str, list[float]] = {k: [] for k in SETS}
+    _step(stack, x, grad, cos, sin, neighbours["mecefo"])  # warm-up (allocator, first-call paths)
+    for _ in range(rounds):
+        for k, nb in neighbours.items():
+            stack.zero_grad(set_to_none=True)
+            x.grad = None
+            t = time.perf_counter()
+            _step(stack, x, grad, cos, sin, nb)
+            times[k].append((time.perf_counter() - t) / blocks)
+    shape = Shape(1, tokens)
+    flops, rows = {}, {}
+    mats = [(m.weight.shape[0], m.weight.shape[1]) for m in stack.ffn_linears()[:3]]
+    svd = sum(svd_flops(m, n, resolve_r(R, m, n), lowrank.method(m, n, resolve_r(R, m, n)),
+                        lowrank.oversample_columns(resolve_r(R, m, n)), lowrank.niter) for m, n in mats)
+    for k, v in SETS.items():
+        f = analytic_flops(cfg, shape, Techniques.parse(v), R)
+        flops[k] = f["attention"] + f["ffn"] + f["wgrad_apply"] / cfg.n_layers
+    normal_t = statistics.median(times["normal"])
+    for k, v in SETS.items():
+        low_rank = Techniques.parse(v).low_rank_wgrad
+        t = statistics.median(times[k]) + (refresh_s / TAU if low_rank else 0.0)
+        fl = flops[k] + (svd / TAU if low_rank else 0.0)
+        rows[k] = {"seconds": statistics.median(times[k]), "seconds_with_refresh": t, "time_ratio": t / normal_t,
+                   "flops": fl, "flop_ratio": fl / flops["normal"], "time_over_flop": (t / normal_t) / (fl / flops["normal"]),
+                   "activation_bytes": _saved_bytes(stack, x, cos, sin, neighbours[k]),
+                   "rounds": [round(s, 6) for s in times[k]]}
+    return {"preset": name, "dim": cfg.dim, "ffn_dim": cfg.ffn_dim, "heads": cfg.n_heads, "tokens": tokens,
+            "blocks": blocks, "refresh_s_per_block": refresh_s, "svd_flops_per_block": svd, "tau": TAU, "r": R,
+            "svd_method": lowrank.method(*mats[0], resolve_r(R, *mats[0])), "sets": rows}
+
+
+def host_overhead(rounds: int) -> dict:
+    """The host-bound proxy: tiny tensors, so the time is Python's and the dispatcher's, not the arithmetic's."""
+    cfg = ModelConfig(vocab_size=8, dim=8, n_layers=4, n_heads=2, ffn_dim=16, max_seq_len=4)
+    torch.manual_seed(0)
+    stack = Stack(cfg)
+    lowrank = LowRankWgrad(r=R, tau=TAU).bind(stack)
+    x, grad = torch.randn(1, 4, 8, requires_grad=True), torch.randn(1, 4, 8)
+    cos, sin = rope_tables(cfg.head_dim, 4, cfg.rope_theta)
+    nb = Neighbour(Techniques.parse("mecefo"), lowrank)
+    lowrank.prepare(stack)
+    times = {"normal": [], "mecefo": []}
+    for _ in range(rounds):
+        for k, n in (("normal", None), ("mecefo", nb)):
+            t = time.perf_counter()
+            for _ in range(20):
+                stack.zero_grad(set_to_none=True)
+                _step(stack, x, grad, cos, sin, n)
+            times[k].append((time.perf_counter() - t) / 20)
+    normal, mecefo = statistics.median(times["normal"]), statistics.median(times["mecefo"])
+    return {"normal_s": normal, "mecefo_s": mecefo, "ratio": mecefo / normal, "dim": 8, "tokens": 4, "blocks": 4}
+
+
+def main(argv: list[str] | None = None) -> int:
+    quick = quick_flag(argv, __doc__)
+    shapes = [("tiny", 256, 2, 5), ("small", 256, 2, 5)] if quick else \
+        [("llama-350m", 2048, 2, 5), ("llama-1b", 2048, 1, 5), ("llama-7b", 2048, 1, 3)]
+    results = []
+    for name, tokens, blocks, rounds in shapes:
+        results.append(measure(name, tokens, blocks, rounds))
+        r = results[-1]["sets"]
+        print(f"{name} (T = {tokens}): " + "; ".join(f"{k} time {v['time_ratio']:.3f} / FLOPs {v['flop_ratio']:.3f}"
+                                                     for k, v in r.items() if k != "normal"), flush=True)
+    host = host_overhead(9 if quick else 21)
+    print(f"host overhead of a neighbour micro-batch (width 8, 4 tokens): {host['ratio']:.2f}x a normal one")
+    path = RESULTS / "bench" / f"neighbour-{'quick' if quick else 'default'}.json"
+    atomic_write_json(path, {"shapes": results, "host_overhead": host, "threads": torch.get_num_threads(),
+                             "git_commit": git_commit(), "packages": package_versions()})
+    print(f"-> {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(guarded(main))

@@ -1,0 +1,77 @@
+"""mecefo.neighbour.NeighbourFFN: the FFN sublayer under recompute_ffn and/or low_rank_wgrad as one Function, against
+the implementation it replaced (torch's checkpoint of the sublayer, each linear as the low-rank Function), in fp32 and
+under bf16 autocast (the default dtype here is fp32: test_neighbour.py's fp64 is not autocast-eligible)."""
+
+import pytest
+import torch
+
+from mecefo.neighbour import MECEFO, LowRankWgrad, Neighbour, Techniques, low_rank_linear
+
+
+def _before(block, h, t, lowrank):
+    """The FFN sublayer as it ran before NeighbourFFN: torch's non-reentrant checkpoint of the whole sublayer (which
+    reran the down projection under low_rank_wgrad), each linear as the low-rank Function. The reference."""
+    from torch.utils.checkpoint import checkpoint
+
+    project = (lambda lin, x: low_rank_linear(lin, x, lowrank)) if t.low_rank_wgrad else None
+    if t.recompute_ffn:
+        return checkpoint(block.ffn_sublayer, h, project, use_reentrant=False)
+    return block.ffn_sublayer(h, project)
+
+
+def _ffn_grads(block, h0, gys, t, fused: bool, bf16: bool) -> dict:
+    block.zero_grad(set_to_none=True)
+    lowrank = LowRankWgrad(r=0.125, svd="exact").bind(block)
+    grads_h = []
+    for i, gy in enumerate(gys):  # several micro-batches: the low-rank factors accumulate
+        h = (h0 * (1 + i)).requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            y = Neighbour(t, lowrank).ffn(block, h) if fused else _before(block, h, t, lowrank)
+        y.backward(gy)
+        grads_h.append(h.grad)
+    lowrank.finish()
+    ffn = block.ffn
+    return {"h": torch.cat(grads_h), "norm": block.ffn_norm.weight.grad,
+            **{n: getattr(ffn, n).weight.grad for n in ("gate_proj", "up_proj", "down_proj")}}
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("spec", ["recompute_ffn", "low_rank_wgrad", "recompute_ffn+low_rank_wgrad"])
+def test_neighbour_ffn_gives_the_gradients_of_the_implementation_it_replaces(spec, bf16):
+    """Input, norm and weight gradients (the low-rank ones after finish()) over three micro-batches, against the
+    checkpoint-and-per-linear-Function path: measured bit-identical on this CPU in fp32 and under bf16 autocast (the
+    same kernels in the same order); the tolerance leaves room for a CPU whose kernels round two call sites apart."""
+    from mecefo.model import Block, ModelConfig
+
+    torch.manual_seed(0)
+    block = Block(ModelConfig(vocab_size=8, dim=64, n_layers=1, n_heads=4, ffn_dim=176))
+    h0, gys = torch.randn(2, 16, 64), [torch.randn(2, 16, 64) for _ in range(3)]
+    t = Techniques.parse(spec)
+    new, old = _ffn_grads(block, h0, gys, t, True, bf16), _ffn_grads(block, h0, gys, t, False, bf16)
+    for k in new:
+        assert new[k].dtype == old[k].dtype, k
+        assert torch.allclose(new[k], old[k], rtol=1e-2 if bf16 else 1e-5, atol=1e-6), k
+
+
+def test_the_low_rank_factors_accumulate_in_one_fp32_buffer_per_matrix_allocated_once():
+    """Under bf16 autocast the factor buffers are fp32, the same storage from one step to the next (zeroed after each
+    finish()), one per FFN matrix."""
+    from mecefo.model import Block, ModelConfig
+
+    torch.manual_seed(0)
+    block = Block(ModelConfig(vocab_size=8, dim=32, n_layers=1, n_heads=2, ffn_dim=64))
+    lowrank = LowRankWgrad(r=4, svd="exact").bind(block)
+    storage = None
+    for _ in range(2):
+        for _ in range(2):
+            h = torch.randn(1, 8, 32, requires_grad=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = Neighbour(MECEFO, lowrank).ffn(block, h)
+            y.float().sum().backward()
+        factors = lowrank.pending
+        assert len(factors) == 3 and all(f.dtype == torch.float32 for f in factors.values())
+        ptrs = sorted(f.data_ptr() for f in factors.values())
+        assert storage in (None, ptrs)
+        storage = ptrs
+        lowrank.finish()
+        assert not lowrank.pending and all(not f.any() for f in lowrank._factors.values())
