@@ -24,6 +24,7 @@ python -m experiments.bench_train $quick
 python -m experiments.bench_ranks $quick
 python -m experiments.bench_ft $quick
 python -m experiments.bench_adapter $quick   # the techniques on a Hugging Face Llama (mecefo.adapter)
+python -m experiments.bench_neighbour $quick # the neighbour's time against its FLOPs at 350m/1b/7b layer shapes (~7 min)
 [ -z "$quick" ] && python -m experiments.bench_heal   # slow heals on torchft (4 runs, ~4 min; not in CI's profile)
 step "chaos harness: random real failures on the torchft backend, every run checked (quick: 3 schedules)"
 python -m experiments.chaos $quick
@@ -67,6 +68,7 @@ python -m paper_figures.grad_error $quick
 python -m paper_figures.rate $quick
 [ -z "$quick" ] && python -m paper_figures.heal
 python -m paper_figures.chaos $quick
+python -m paper_figures.neighbour $quick
 python -m experiments.float_check --which $quick   # which float settings change the bits here (the full check: see README)
 python -m paper_figures.headline $quick   # the README's first screen, from the results above
 python -m analysis.run_notebooks

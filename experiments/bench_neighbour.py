@@ -32,7 +32,22 @@ from mecefo.results import quick_flag
 from .common import RESULTS, guarded
 
 SETS = {"normal": "normal", "skip_attention": "skip_attention", "recompute_ffn": "recompute_ffn",
-        "low_rank_wgrad": "low_rank_wgrad", "mecefo": "mecefo"}
+        "low_rank_wgrad": "low_rank_wgrad", "mecefo": "mecefo", "mecefo_before": "mecefo"}
+
+
+class Before(Neighbour):
+    """The FFN sublayer as MeCeFO's techniques ran before mecefo.neighbour.NeighbourFFN: torch's checkpoint of the
+    whole sublayer (its recomputation reruns the down projection: a Python Function saves its inputs only once its
+    forward returns, so the checkpoint cannot stop before it), each linear the low-rank Function. The same-run
+    reference of the change."""
+
+    def ffn(self, block, h):
+        from torch.utils.checkpoint import checkpoint
+
+        project = self.project if self.techniques.low_rank_wgrad else None
+        if self.techniques.recompute_ffn:
+            return checkpoint(block.ffn_sublayer, h, project, use_reentrant=False)
+        return block.ffn_sublayer(h, project)
 TAU, R = 50, 0.125  # the V1 refresh interval and width of the paper's runs (Table 4: tau 50 steps; r D/8)
 
 
@@ -87,12 +102,14 @@ def measure(name: str, tokens: int, blocks: int, rounds: int) -> dict:
     x = torch.randn(1, tokens, cfg.dim, requires_grad=True)
     grad = torch.randn(1, tokens, cfg.dim)
     cos, sin = (t[:tokens] for t in rope_tables(cfg.head_dim, tokens, cfg.rope_theta))
-    neighbours = {k: None if v == "normal" else Neighbour(Techniques.parse(v), lowrank) for k, v in SETS.items()}
+    neighbours = {k: None if v == "normal" else (Before if k.endswith("_before") else Neighbour)(Techniques.parse(v), lowrank)
+                  for k, v in SETS.items()}
     t0 = time.perf_counter()
     lowrank.prepare(stack)  # V1 of every FFN matrix: what a refresh costs
     refresh_s = (time.perf_counter() - t0) / blocks
     times: dict[str, list[float]] = {k: [] for k in SETS}
-    _step(stack, x, grad, cos, sin, neighbours["mecefo"])  # warm-up (allocator, first-call paths)
+    for nb in neighbours.values():  # warm-up: the allocator and first-call paths of every setting
+        _step(stack, x, grad, cos, sin, nb)
     for _ in range(rounds):
         for k, nb in neighbours.items():
             stack.zero_grad(set_to_none=True)
@@ -108,6 +125,9 @@ def measure(name: str, tokens: int, blocks: int, rounds: int) -> dict:
     for k, v in SETS.items():
         f = analytic_flops(cfg, shape, Techniques.parse(v), R)
         flops[k] = f["attention"] + f["ffn"] + f["wgrad_apply"] / cfg.n_layers
+    # before: the recomputation reran the down projection and the three x V1 (mecefo.costs' closed form then)
+    rerun = 2 * tokens * cfg.dim * cfg.ffn_dim + sum(2 * tokens * n * resolve_r(R, m, n) for m, n in mats)
+    flops["mecefo_before"] = flops["mecefo"] + rerun
     normal_t = statistics.median(times["normal"])
     for k, v in SETS.items():
         low_rank = Techniques.parse(v).low_rank_wgrad
@@ -144,10 +164,33 @@ def host_overhead(rounds: int) -> dict:
     return {"normal_s": normal, "mecefo_s": mecefo, "ratio": mecefo / normal, "dim": 8, "tokens": 4, "blocks": 4}
 
 
+def c_readings(measured: dict) -> dict:
+    """Table 2's jobs (experiments.throughput.PAPER_JOBS): c, a neighbour's cost of a failed GPU's micro-batches
+    relative to computing them normally (mecefo.simulator.CostModel.relative_cost, FLOPs by exact count), for each
+    technique set; and, where this benchmark measured the model's layer shape, the time reading: c scaled by the
+    measured time / FLOP quotient of the set (the blocks' time; the embedding and the head cost the same in both)."""
+    from dataclasses import replace
+
+    from mecefo.simulator import CostModel
+
+    from .throughput import PAPER_JOBS
+
+    found = {}
+    for model, job in PAPER_JOBS.items():
+        flop = {k: CostModel(replace(job, techniques=v)).relative_cost for k, v in SETS.items()
+                if k not in ("normal", "mecefo_before")}
+        row = {"flop": flop, "micro_batch": job.micro_batch, "seq_len": job.seq_len}
+        if model in measured:
+            q = {k: measured[model]["sets"][k]["time_over_flop"] for k in flop}
+            row |= {"time_over_flop": q, "time": {k: flop[k] * q[k] for k in flop}}
+        found[model] = row
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     quick = quick_flag(argv, __doc__)
     shapes = [("tiny", 256, 2, 5), ("small", 256, 2, 5)] if quick else \
-        [("llama-350m", 2048, 2, 5), ("llama-1b", 2048, 1, 5), ("llama-7b", 2048, 1, 3)]
+        [("llama-350m", 2048, 2, 9), ("llama-1b", 2048, 1, 7), ("llama-7b", 2048, 1, 5)]
     results = []
     for name, tokens, blocks, rounds in shapes:
         results.append(measure(name, tokens, blocks, rounds))
@@ -155,9 +198,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name} (T = {tokens}): " + "; ".join(f"{k} time {v['time_ratio']:.3f} / FLOPs {v['flop_ratio']:.3f}"
                                                      for k, v in r.items() if k != "normal"), flush=True)
     host = host_overhead(9 if quick else 21)
+    readings = c_readings({r["preset"]: r for r in results})
     print(f"host overhead of a neighbour micro-batch (width 8, 4 tokens): {host['ratio']:.2f}x a normal one")
     path = RESULTS / "bench" / f"neighbour-{'quick' if quick else 'default'}.json"
-    atomic_write_json(path, {"shapes": results, "host_overhead": host, "threads": torch.get_num_threads(),
+    atomic_write_json(path, {"shapes": results, "host_overhead": host, "c": readings, "threads": torch.get_num_threads(),
                              "git_commit": git_commit(), "packages": package_versions()})
     print(f"-> {path}")
     return 0

@@ -1,0 +1,73 @@
+"""The neighbour's cost where Table 2 is decided: FLOP c of each technique set at Table 2's jobs (exact count), and the
+time against the FLOPs at the layer shapes of llama-350m, 1b and 7b on this CPU (results/bench/neighbour-<profile>.json,
+written by python -m experiments.bench_neighbour). Writes paper_figures/out/neighbour.md and, for the default profile,
+the README's block.
+
+    python -m paper_figures.neighbour [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from mecefo.errors import UsageError, guarded
+from mecefo.results import RESULTS
+
+from .common import update_readme, write_table
+
+SETS = ("skip_attention", "recompute_ffn", "low_rank_wgrad", "mecefo")
+
+
+def section(result: dict) -> str:
+    c = result["c"]
+    models = list(c)
+    lines = [f"Measured by `python -m experiments.bench_neighbour` (`results/bench/neighbour-*.json`, commit "
+             f"`{result['git_commit'][:12]}`), {result['threads']} CPU threads, fp32.", "",
+             "c, a neighbour's cost of a failed GPU's micro-batches relative to computing them normally (the per-step "
+             "V1^T product included), at Table 2's jobs (FLOPs by exact count: `mecefo.costs`' closed forms, equal to "
+             "FlopCounterMode's; the time reading scales each by its measured time / FLOP quotient below):", "",
+             "| technique set | " + " | ".join(f"{m} ({c[m]['micro_batch']} x {c[m]['seq_len']}): FLOPs; time" for m in models) + " |",
+             "|---|" + "---|" * len(models)]
+    for k in SETS:
+        cells = [f"{c[m]['flop'][k]:.3f}; " + (f"{c[m]['time'][k]:.3f}" if "time" in c[m] else "-") for m in models]
+        lines.append(f"| {k.replace('_', ' ')} | " + " | ".join(cells) + " |")
+    lines += ["", "One layer's forward and backward at the models' exact layer shapes (one sequence of the tokens "
+              "shown), a failed micro-batch under each set against a normal one: time ratio / FLOP ratio = their "
+              "quotient (1: the set runs at its FLOP floor); the V1 refresh (the three FFN SVDs) amortised over "
+              "tau = 50 steps in both; activation bytes kept per layer. *mecefo before* is the implementation this "
+              "one replaced (the checkpoint reran the down projection), timed in the same rounds:", "",
+              "| shape | set | time ratio | FLOP ratio | time / FLOPs | activation MiB per layer |", "|---|---|---|---|---|---|"]
+    for shape in result["shapes"]:
+        for k, v in shape["sets"].items():
+            if k == "normal":
+                continue
+            lines.append(f"| {shape['preset']} (D {shape['dim']}, F {shape['ffn_dim']}, T {shape['tokens']}) | "
+                         f"{k.replace('_', ' ')} | {v['time_ratio']:.3f} | {v['flop_ratio']:.3f} | "
+                         f"{v['time_over_flop']:.3f} | {v['activation_bytes'] / 2**20:.1f} |")
+    h = result["host_overhead"]
+    lines += ["", f"Host overhead (width {h['dim']}, {h['tokens']} tokens, {h['blocks']} blocks: the time is Python's and "
+              f"the dispatcher's): a neighbour's micro-batch takes {h['ratio']:.2f}x a normal one's."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    path = RESULTS / "bench" / f"neighbour-{'quick' if args.quick else 'default'}.json"
+    if not path.exists():
+        raise UsageError(f"{path} does not exist; run python -m experiments.bench_neighbour{' --quick' if args.quick else ''} first")
+    text = section(json.loads(path.read_text()))
+    paths = [write_table("neighbour", text + "\n")]
+    if not args.quick:
+        paths.append(update_readme("neighbour", text))
+    for p in paths:
+        if p is not None:
+            print(f"wrote {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(guarded(main))
