@@ -2,7 +2,8 @@
 and llama-7b (width D, FFN width F, heads; T = 2048 tokens, one sequence), forward and backward from a fixed upstream
 gradient, on this CPU: a normal micro-batch, and a failed one under each technique alone and the three together.
 
-    python -m experiments.bench_neighbour [--quick]      (--quick: tiny and small shapes, T = 256, for CI)
+    python -m experiments.bench_neighbour [--quick] [--heap retain|system]
+                                          (--quick: tiny and small shapes, T = 256, for CI)
 
 For each shape and technique set: the time ratio to the normal micro-batch (the median over rounds, the settings
 alternating within each round), the FLOP ratio (mecefo.costs' closed forms: attention and FFN of a layer), their
@@ -11,12 +12,18 @@ tensors once per storage, parameters excluded, as mecefo.costs counts them). Und
 (factor V1^T) is timed with the micro-batch, and the refresh of V1 (the three FFN matrices' SVDs, the method
 mecefo.neighbour picks for the shape) once, amortised over tau = 50 steps: both in the time and in the FLOPs (the
 SVD's by mecefo.costs.svd_flops' estimate). The host-overhead proxy: a block of width 8 and 4 tokens, where the time
-is the host's, the neighbour's micro-batch against a normal one. Writes results/bench/neighbour-<profile>.json;
-Table 2 and the simulator read the measured c from it as a reading beside the FLOP one (mecefo.simulator: c_time).
+is the host's, the neighbour's micro-batch against a normal one. Writes results/bench/neighbour-<profile>.json
+(--heap system: neighbour-<profile>-system-heap.json), with c at Table 2's jobs by FLOPs and, where the layer shape
+was measured, by time (paper_figures.neighbour shows both).
+
+--heap retain (the default) keeps freed memory in the process (retain_heap), as a GPU's caching allocator does;
+--heap system leaves glibc's default, under which every activation of these shapes is page-faulted anew each time.
 """
 
 from __future__ import annotations
 
+import argparse
+import ctypes
 import statistics
 import sys
 import time
@@ -27,7 +34,6 @@ from mecefo.costs import Shape, analytic_flops, svd_flops
 from mecefo.model import Block, ModelConfig, preset, rope_tables
 from mecefo.neighbour import LowRankWgrad, Neighbour, Techniques, resolve_r
 from mecefo.records import atomic_write_json, git_commit, package_versions
-from mecefo.results import quick_flag
 
 from .common import RESULTS, guarded
 
@@ -187,8 +193,30 @@ def c_readings(measured: dict) -> dict:
     return found
 
 
+def retain_heap() -> bool:
+    """Keep freed memory in this process instead of handing it back to the kernel. glibc serves a block above its mmap
+    threshold (at most 32 MiB under its own rule) with a fresh mapping and unmaps it on free, so each activation of
+    these shapes (a 2048 x 11008 fp32 tensor is 86 MiB) is page-faulted and zeroed by the kernel anew, every time it is
+    allocated. The faults cost a share of a step that depends on how an implementation allocates, not on its FLOPs
+    (`--heap system` measures it; the README gives both readings). A GPU's caching allocator never returns memory
+    within a step; this is its CPU counterpart (mallopt: M_MMAP_THRESHOLD 1 GiB, M_TRIM_THRESHOLD 2 GiB). False where
+    the C library has no mallopt (not glibc)."""
+    try:
+        libc = ctypes.CDLL(None)
+        return bool(libc.mallopt(-3, 1 << 30)) and bool(libc.mallopt(-1, (1 << 31) - 1))  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
-    quick = quick_flag(argv, __doc__)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the CI-sized profile")
+    parser.add_argument("--heap", choices=("retain", "system"), default="retain",
+                        help="retain: freed memory stays in the process, as a GPU's caching allocator (default); "
+                             "system: glibc's default")
+    args = parser.parse_args(argv)
+    quick = args.quick
+    heap = "retain" if args.heap == "retain" and retain_heap() else "system"
     shapes = [("tiny", 256, 2, 5), ("small", 256, 2, 5)] if quick else \
         [("llama-350m", 2048, 2, 9), ("llama-1b", 2048, 1, 7), ("llama-7b", 2048, 1, 5)]
     results = []
@@ -200,8 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     host = host_overhead(9 if quick else 21)
     readings = c_readings({r["preset"]: r for r in results})
     print(f"host overhead of a neighbour micro-batch (width 8, 4 tokens): {host['ratio']:.2f}x a normal one")
-    path = RESULTS / "bench" / f"neighbour-{'quick' if quick else 'default'}.json"
+    path = RESULTS / "bench" / f"neighbour-{'quick' if quick else 'default'}{'' if args.heap == 'retain' else '-system-heap'}.json"
     atomic_write_json(path, {"shapes": results, "host_overhead": host, "c": readings, "threads": torch.get_num_threads(),
+                             "heap": heap,
                              "git_commit": git_commit(), "packages": package_versions()})
     print(f"-> {path}")
     return 0
