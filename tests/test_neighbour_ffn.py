@@ -75,3 +75,29 @@ def test_the_low_rank_factors_accumulate_in_one_fp32_buffer_per_matrix_allocated
         storage = ptrs
         lowrank.finish()
         assert not lowrank.pending and all(not f.any() for f in lowrank._factors.values())
+
+
+def test_the_fsdp_hand_off_of_the_low_rank_factors_applies_each_once():
+    """engine.add_low_rank_rows (FSDP2: the factors summed over a group's processes, each adding its rows) takes this
+    step's factors and clears them: nothing is left pending for finish() or for the next step (the reused buffers once
+    carried a step's factors into the next under FSDP2, and sharded runs drifted from unsharded ones by 4e-4)."""
+    from mecefo.engine import add_low_rank_rows
+    from mecefo.model import GPT, ModelConfig
+    from mecefo.plan import Piece, StepPlan
+
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=16, dim=32, n_layers=2, n_heads=2, ffn_dim=64))
+    lowrank = LowRankWgrad(r=4, svd="exact").bind(model)
+    x = torch.randint(0, 16, (2, 8))
+    model(x, x, neighbour=Neighbour(MECEFO, lowrank)).backward()
+    assert len(lowrank.pending) == 6
+    expected = torch.cat([lowrank.pending[m].reshape(-1) for m in lowrank.matrices(model)])  # (in the model's order)
+    for linear in lowrank.matrices(model):
+        linear.weight.grad = None  # (no DTensor shard to add rows to here: only the hand-off is under test)
+    reduced = []
+    plan = StepPlan(step=1, failed=frozenset({1}), neighbours={1: 0}, pieces={0: (Piece(1, 0, 0, 2, 2, MECEFO),)})
+    add_low_rank_rows(model, lowrank, plan, 0, 2, lambda flat: reduced.append(flat.clone()))
+    assert torch.equal(reduced[0], expected)
+    assert not lowrank.pending and all(not f.any() for f in lowrank._factors.values())
+    with pytest.raises(TypeError):
+        lowrank.pending[model] = expected  # read-only: a caller cannot pop a factor and leave its buffer behind

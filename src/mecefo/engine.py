@@ -561,10 +561,12 @@ def add_low_rank_rows(model, lowrank: LowRankWgrad, plan: StepPlan, shard: int, 
     if not linears:
         return
     device = next(model.parameters()).device
-    factors = [lowrank.pending.pop(m, None) for m in linears]
+    pending = lowrank.pending
+    factors = [pending.get(m) for m in linears]
     shapes = [(m.weight.shape[0], lowrank.basis(m).shape[1]) for m in linears]
     flat = torch.cat([(f if f is not None else torch.zeros(s, device=device)).reshape(-1).float()
-                      for f, s in zip(factors, shapes)])
+                      for f, s in zip(factors, shapes)])  # (a copy: the buffers are zeroed for the next step)
+    lowrank.clear(linears)
     all_reduce(flat)
     offset = 0
     for m, shape in zip(linears, shapes):

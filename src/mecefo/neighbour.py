@@ -32,7 +32,9 @@ from __future__ import annotations
 import contextlib
 import math
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
@@ -223,9 +225,10 @@ class LowRankWgrad:
             torch.addmm(buf, grad_y.T.to(acc), xv.to(acc), out=buf)
 
     @property
-    def pending(self) -> dict[torch.nn.Module, torch.Tensor]:
-        """The factors of this step (linear -> its m x r buffer), in the order they were first added."""
-        return {m: self._factors[m] for m in self._used}
+    def pending(self) -> Mapping[torch.nn.Module, torch.Tensor]:
+        """The factors of this step (linear -> its m x r buffer), in the order they were first added; read-only
+        (the buffers are reused: `clear()` zeroes and forgets them once they were applied)."""
+        return MappingProxyType({m: self._factors[m] for m in self._used})
 
     def clear(self, linears=None) -> None:
         """Zero the factors of these matrices (all: None) and forget them for this step (after they were applied)."""
