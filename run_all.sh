@@ -25,6 +25,7 @@ python -m experiments.bench_ranks $quick
 python -m experiments.bench_ft $quick
 python -m experiments.bench_adapter $quick   # the techniques on a Hugging Face Llama (mecefo.adapter)
 python -m experiments.bench_neighbour $quick # the neighbour's time against its FLOPs at 350m/1b/7b layer shapes (~7 min)
+python -m experiments.bench_refresh $quick   # the V1 refresh shared among torch ranks against computed by each (~2 min)
 [ -z "$quick" ] && python -m experiments.bench_heal   # slow heals on torchft (4 runs, ~4 min; not in CI's profile)
 step "chaos harness: random real failures on the torchft backend, every run checked (quick: 3 schedules)"
 python -m experiments.chaos $quick

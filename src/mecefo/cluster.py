@@ -43,6 +43,7 @@ class ClusterConfig:
     r: float = 0.125  # low-rank width of low_rank_wgrad (>= 1 absolute, < 1 a fraction of min(m, n))
     low_rank_tau: int = 50  # optimizer steps between SVD refreshes of V1
     low_rank_svd: str = "auto"  # exact | randomized | auto (randomized when min(m, n) > 1024)
+    low_rank_refresh: str = "shared"  # shared (torch backend: each rank 1/n of the SVDs, then broadcast) | local (each all)
     failure_seed: int = -1  # seed of the failure process (-1: the training seed)
     track_grad_error: bool = False  # also compute the failure-free gradient and log Assumption 3's relative error
 
@@ -58,6 +59,8 @@ class ClusterConfig:
         if not spec.rollbacks and policies.get(self.policy, trainer=True).rolls_back:
             raise UsageError(f"cluster.backend={self.backend!r} cannot send a run back to an earlier step: not with "
                              f"cluster.policy={self.policy!r}")
+        if self.low_rank_refresh not in ("shared", "local"):
+            raise UsageError(f"cluster.low_rank_refresh={self.low_rank_refresh!r}; allowed: 'shared', 'local'")
         if self.low_rank_svd not in ("exact", "randomized", "auto"):
             raise UsageError(f"cluster.low_rank_svd={self.low_rank_svd!r}; allowed: 'exact', 'randomized', 'auto'")
         policies.get(self.policy, trainer=True).validate(self)

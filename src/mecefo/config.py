@@ -74,6 +74,14 @@ class TrainConfig:
     seed: int = 0  # model initialisation and data order
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16
+    loss_rows: int = -1  # the loss in chunks of this many rows (mecefo.loss); 0: the whole logits; -1: auto (below)
+
+    def resolved_loss_rows(self) -> int:
+        """-1 (auto): 4096-row chunks on CUDA (no fp32 logits of the whole vocabulary), the whole logits on a CPU (whose
+        numerics stay those of the results and goldens computed before chunks existed)."""
+        if self.loss_rows != -1:
+            return self.loss_rows
+        return 4096 if self.resolved_device() == "cuda" else 0
 
     def resolved_device(self) -> str:
         """The device type the run will use: cuda for auto when a CUDA device is present."""
@@ -98,6 +106,8 @@ class TrainConfig:
             raise UsageError(f"train.keep_checkpoints={self.keep_checkpoints} must be at least 1 (the latest)")
         if self.device not in ("auto", "cpu", "cuda"):
             raise UsageError(f"train.device={self.device!r}; allowed: 'auto', 'cpu', 'cuda'")
+        if self.loss_rows < -1:
+            raise UsageError(f"train.loss_rows={self.loss_rows}; allowed: a number of rows, 0 (whole) or -1 (auto)")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise UsageError(f"train.precision={self.precision!r}; allowed: 'auto', 'fp32', 'bf16'")
 
@@ -135,11 +145,13 @@ class Config:
         return dataclasses.asdict(self)
 
     def hash(self) -> str:
-        """Identity of the results this config produces (logging cadence, device and checkpoints kept excluded; fields added
-        after results existed are left out at their default, so those results keep their identity)."""
+        """Identity of the results this config produces (logging cadence, device, checkpoints kept and who computes V1
+        excluded; fields added after results existed are left out at their default, so those results keep their
+        identity)."""
         d = self.to_dict()
         for k in ("log_every", "device", "keep_checkpoints"):  # (how a run is kept, not what it computes)
             d["train"].pop(k)
+        d["cluster"].pop("low_rank_refresh")  # (which rank computes a V1, not what it is)
         if self.train.precision == "auto" and self.train.resolved_device() == "cuda":
             d["train"]["precision"] = "bf16"  # what auto does there (on a CPU, auto is fp32 and hashed as "auto")
         if self.model.hf_config:  # the config's content, not where it lies
@@ -152,7 +164,7 @@ class Config:
         return stable_hash(d)
 
 
-HASH_NEUTRAL_DEFAULTS = {("cluster", "failure_free_steps"): 0, ("model", "hf_config"): ""}
+HASH_NEUTRAL_DEFAULTS = {("cluster", "failure_free_steps"): 0, ("model", "hf_config"): "", ("train", "loss_rows"): -1}
 
 
 RENAMED = {"low_rank": "r"}  # old key -> new key, refused with a message naming the new one

@@ -67,6 +67,7 @@ class StepEngine:
     rank: int = 0  # the data-parallel rank this process computes for (Batched: all of them)
     all_reduce: Callable | None = None  # SUM in place over the replicas (ranks or replica groups); None: none
     shard_group: tuple[int, int] = (0, 1)  # (this process, processes) sharing the model's shards (Sharded)
+    low_rank_refresh: str = "shared"  # V1's SVDs: shared among the ranks (TorchReplicated) or computed by each (local)
     _neighbours: dict = field(default_factory=dict)
     current_step: int = 0
     clock: Clock = None  # where the step's time goes (mecefo.timing; the Run's)
@@ -110,7 +111,8 @@ class StepEngine:
         does it at the same step from the same weights, so all ranks hold the same subspaces."""
         ffn, head = plan.uses("low_rank_wgrad"), plan.uses("low_rank_head")
         if computing and (ffn or head):
-            self.lowrank.prepare(self.model, ffn, head)
+            with self.clock("refresh"):
+                self.lowrank.prepare(self.model, ffn, head)
 
     def step(self, plan: StepPlan) -> StepResult:
         """This process's pieces (its rank's) and the exchange of their weighted sums."""
@@ -338,7 +340,31 @@ class TorchReplicated(Replicated):
             self.lowrank.load_state_dict(payload[0][1])
 
     def prepare(self, plan: StepPlan, computing: bool = True) -> None:
-        super().prepare(plan, computing=self.rank not in plan.failed)
+        """V1 refreshed at the step StepEngine.prepare names, its SVDs shared (low_rank_refresh 'shared'): the stale
+        matrices, as the lowest alive rank sees them (every rank whose state is current holds the same subspaces; a
+        failed rank's were wiped), go to the alive ranks in turn (the i-th to the (i mod a)-th of the a alive ranks),
+        each computes its own and broadcasts it, so that a refresh costs each rank 1/a of the SVDs and every rank ends
+        with the same V1 whatever its CPU or GPU. 'local': every alive rank computes every V1 (as StepEngine)."""
+        if self.low_rank_refresh != "shared":
+            return super().prepare(plan, computing=self.rank not in plan.failed)
+        ffn, head = plan.uses("low_rank_wgrad"), plan.uses("low_rank_head")
+        alive = sorted(set(range(self.n_ranks)) - plan.failed)
+        if not (ffn or head) or not alive:
+            return
+        with self.clock("refresh"):
+            linears = self.lowrank.matrices(self.model, ffn, head)
+            stale = set(self.lowrank.stale(linears))
+            flags = torch.tensor([m in stale for m in linears], dtype=torch.uint8, device=self.device)
+            self.dist.broadcast(flags, alive[0])
+            owners = [(m, alive[i % len(alive)]) for i, m in enumerate(m for m, f in zip(linears, flags.tolist()) if f)]
+            for m, owner in owners:  # every share first, then the broadcasts (one in between would serialise them)
+                if owner == self.rank:
+                    self.lowrank.basis(m)
+            for m, owner in owners:
+                v1 = self.lowrank.basis(m) if self.rank == owner else self.lowrank.empty_basis(m)
+                self.dist.broadcast(v1, owner)
+                if self.rank != owner:
+                    self.lowrank.install(m, v1)
 
     def updates(self, plan: StepPlan) -> bool:
         return not plan.skipped and self.rank not in plan.failed

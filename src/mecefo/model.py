@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .loss import chunked_cross_entropy
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -177,6 +179,7 @@ class GPT(nn.Module):
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.loss_rows = 0  # the loss in chunks of this many rows (mecefo.loss); 0: the whole logits at once
         self.reset_parameters()
 
     @torch.no_grad()
@@ -211,6 +214,8 @@ class GPT(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin, neighbour)
         x = self.norm(x)
+        if targets is not None and self.loss_rows and not (neighbour and neighbour.techniques.low_rank_head):
+            return chunked_cross_entropy(x, self.lm_head.weight, targets, self.loss_rows)
         logits = self.lm_head(x) if neighbour is None else neighbour.head(self.lm_head, x)
         if targets is None:
             return logits

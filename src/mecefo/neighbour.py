@@ -185,6 +185,22 @@ class LowRankWgrad:
         self.svd_count += 1
         return v1
 
+    def stale(self, linears) -> list[torch.nn.Module]:
+        """Those of the matrices whose V1 is missing or from an earlier tau-epoch (basis() would compute them)."""
+        epoch = self.steps // self.tau
+        return [m for m in linears if (m not in self._basis or self._basis[m][1] != epoch)]
+
+    def empty_basis(self, linear: torch.nn.Module) -> torch.Tensor:
+        """An uninitialised tensor of V1's shape (n x r), dtype and device for this matrix (a receive buffer)."""
+        w = linear.weight
+        m, n = w.shape
+        dtype = torch.float32 if w.dtype in (torch.bfloat16, torch.float16) else w.dtype
+        return torch.empty(n, resolve_r(self.r, m, n), dtype=dtype, device=w.device)
+
+    def install(self, linear: torch.nn.Module, v1: torch.Tensor) -> None:
+        """Take V1 of this matrix for the current tau-epoch as computed elsewhere (by another rank)."""
+        self._basis[linear] = (v1, self.steps // self.tau)
+
     def prepare(self, model: torch.nn.Module, ffn: bool = True, head: bool = False) -> None:
         """Compute now every V1 a step will use (the FFN matrices, and the LM head under low_rank_head), so
         that all ranks refresh at the same step from the same weights."""

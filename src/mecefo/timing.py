@@ -3,8 +3,9 @@ step engine share (Run.clock). A phase timed inside another is not counted in th
 interval add up to it, and `other` is what no phase covers (the planning, the rows, the status files).
 
 Phases: quorum (waiting for torchft's quorum and agreeing who is in it; 0 on the simulated backends), heal (applying
-a live peer's state inside the quorum), compute (forward and backward of this process's pieces, FSDP2's reduce-scatter
-within a group included), exchange (the all-reduce of the gradient sums across ranks or replica groups), commit
+a live peer's state inside the quorum), refresh (the SVDs of V1 under low_rank_wgrad, once per tau-epoch, and on the
+torch backend their broadcast from the rank that computed each), compute (forward and backward of this process's
+pieces, FSDP2's reduce-scatter within a group included), exchange (the all-reduce of the gradient sums across ranks or replica groups), commit
 (torchft's should_commit), update (the optimizer step), evaluate, checkpoint, pace (the sleep that paces a step
 to mecefo.launch's --min_step_s). A quorum in which this process healed is counted as heal, the transfer included.
 
@@ -20,7 +21,7 @@ import threading
 import time
 from contextlib import contextmanager
 
-PHASES = ("quorum", "heal", "compute", "exchange", "commit", "update", "evaluate", "checkpoint", "pace")
+PHASES = ("quorum", "heal", "refresh", "compute", "exchange", "commit", "update", "evaluate", "checkpoint", "pace")
 
 
 class Clock:

@@ -188,12 +188,14 @@ class Run:
             self.model = HFCausalLM(read_config(cfg.model.hf_config)).to(device)
         else:
             self.model = engine.build_model(self.model_cfg, device, tc.seed)
+            self.model.loss_rows = tc.resolved_loss_rows()
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.schedule = failures.for_run(cfg)
         self.policy = policies.get(cc.policy, trainer=True)(cc)
         self.lowrank = LowRankWgrad(r=cc.r, tau=cc.low_rank_tau, svd=cc.low_rank_svd, seed=tc.seed).bind(self.model)
         self.engine = engine(self.model, self.data, tc.seed, device, self.lowrank, lambda: autocast(device, tc.precision),
-                             n_ranks=cc.ranks, rank=rank, **self.membership.engine_options(cc.shard))
+                             n_ranks=cc.ranks, rank=rank, low_rank_refresh=cc.low_rank_refresh,
+                             **self.membership.engine_options(cc.shard))
         self.clock = self.membership.clock = self.engine.clock  # where each step's time goes (mecefo.timing)
         self.flops = _FlopModel(self.model_cfg, cfg.data, cc.r)
         self.progress = Progress()

@@ -1,0 +1,92 @@
+"""mecefo.loss.ChunkedCrossEntropy against torch's cross-entropy of the whole logits (an independent computation): loss
+and gradients in fp64 for any shape and chunk, under bf16 autocast within its rounding, inside the GPT, and what it
+keeps for backward (nothing of size rows x vocabulary)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mecefo.loss import chunked_cross_entropy
+
+
+def _whole(x, w, y, upstream=1.0):
+    x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+    logits = x @ w.T
+    loss = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), y)
+    (loss * upstream).backward()
+    return loss.detach(), x.grad, w.grad
+
+
+def _chunked(x, w, y, rows, upstream=1.0):
+    x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+    loss = chunked_cross_entropy(x, w, y, rows)
+    (loss * upstream).backward()
+    return loss.detach(), x.grad, w.grad
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 40), vocab=st.integers(2, 50), dim=st.integers(1, 12), rows=st.integers(1, 50),
+       upstream=st.floats(0.1, 4.0), seed=st.integers(0, 2**16))
+def test_loss_and_gradients_equal_the_whole_logits_in_fp64(n, vocab, dim, rows, upstream, seed):
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(n, dim, generator=g, dtype=torch.float64), torch.randn(vocab, dim, generator=g, dtype=torch.float64)
+    y = torch.randint(0, vocab, (n,), generator=g)
+    for a, b in zip(_chunked(x, w, y, rows, upstream), _whole(x, w, y, upstream)):
+        assert a.dtype == b.dtype == torch.float64
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_under_bf16_autocast_it_matches_the_whole_logits_within_bf16_rounding():
+    torch.manual_seed(0)
+    x, w, y = torch.randn(96, 32), torch.randn(200, 32) * 0.2, torch.randint(0, 200, (96,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        new = _chunked(x, w, y, 40)
+        old = _whole(x, w, y)  # (the matmul in bf16 under autocast, as the LM head)
+    assert new[0].dtype == torch.float32 and new[1].dtype == new[2].dtype == torch.float32
+    assert new[0].item() == pytest.approx(old[0].item(), rel=2e-3)
+    for a, b in zip(new[1:], old[1:]):
+        assert (a - b).norm() <= 2e-2 * b.norm()
+
+
+def test_it_keeps_no_logits_for_backward():
+    """Saved for backward: the input gradient (N x D) and the weight gradient (V x D), nothing of N x V."""
+    torch.manual_seed(0)
+    n, vocab, dim = 64, 300, 16
+    x, w = torch.randn(n, dim, requires_grad=True), torch.randn(vocab, dim, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        chunked_cross_entropy(x, w, torch.randint(0, vocab, (n,)), 16)
+    assert sorted(saved) == sorted([(n, dim), (vocab, dim)])
+
+
+def test_the_gpt_loss_in_chunks_equals_the_whole_one():
+    from mecefo.model import GPT, ModelConfig
+    from mecefo.neighbour import MECEFO, Neighbour
+
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, ffn_dim=64)).double()
+    idx, tgt = torch.randint(0, 64, (3, 10)), torch.randint(0, 64, (3, 10))
+    results = []
+    for rows in (0, 7):
+        model.loss_rows = rows
+        model.zero_grad(set_to_none=True)
+        loss = model(idx, tgt, neighbour=Neighbour(MECEFO))
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    (a, ga), (b, gb) = results  # (the whole path takes the loss of fp64 logits in fp32, as the model always has)
+    assert b.dtype == torch.float64 and a.item() == pytest.approx(b.item(), rel=1e-6) and len(ga) == len(gb)
+    assert all(torch.allclose(u, v, rtol=1e-5, atol=1e-9) for u, v in zip(ga, gb))
+
+
+def test_bad_chunk_and_config_values():
+    from mecefo.config import TrainConfig
+    from mecefo.errors import UsageError
+
+    with pytest.raises(ValueError, match="at least 1"):
+        chunked_cross_entropy(torch.randn(2, 3), torch.randn(4, 3), torch.tensor([0, 1]), 0)
+    with pytest.raises(UsageError, match="train.loss_rows=-2"):
+        TrainConfig(loss_rows=-2).validate()
+    assert TrainConfig(device="cpu").resolved_loss_rows() == 0 and TrainConfig(device="cuda").resolved_loss_rows() == 4096
+    assert TrainConfig(device="cpu", loss_rows=512).resolved_loss_rows() == 512
