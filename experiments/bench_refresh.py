@@ -7,7 +7,8 @@ llama-350m's and llama-1b's layer shapes (exact SVD at 350m, the randomized rang
 mecefo.neighbour picks), and refresh V1 through engine.TorchReplicated.prepare, alternating rounds with
 `low_rank_refresh` 'local' (each rank computes every SVD, as before) and 'shared' (each alive rank computes its share
 and broadcasts it). Writes results/bench/refresh-<profile>.json: the median seconds of a refresh per matrix in each
-mode and their ratio (2 ranks and an even number of matrices: the ideal is 2; on n ranks, n), and whether the ranks ended with equal subspaces.
+mode and their ratio (2 ranks and an even number of matrices: the ideal is 2; on n ranks, n), and whether the ranks
+held equal subspaces after every refresh of each mode.
 """
 
 from __future__ import annotations
@@ -30,6 +31,16 @@ from .common import RESULTS, guarded
 RANKS = 2
 
 
+def _ranks_equal(lowrank, stack) -> bool:
+    """Whether every rank holds the same V1 of every matrix (a collective)."""
+    import torch.distributed as dist
+
+    bases = torch.cat([lowrank.basis(m).reshape(-1) for m in lowrank.matrices(stack)])
+    gathered = [torch.empty_like(bases) for _ in range(RANKS)]
+    dist.all_gather(gathered, bases)
+    return all(torch.equal(g, gathered[0]) for g in gathered)
+
+
 def _worker(rank: int, port: int, name: str, blocks: int, rounds: int, out: str) -> None:
     import torch.distributed as dist
 
@@ -47,6 +58,7 @@ def _worker(rank: int, port: int, name: str, blocks: int, rounds: int, out: str)
     engine = TorchReplicated(stack, None, 0, torch.device("cpu"), lowrank, n_ranks=RANKS, rank=rank)
     plan = StepPlan(0, frozenset(), {}, {r: (Piece(r, 0, 0, 1, 1, MECEFO),) for r in range(RANKS)})
     times = {"local": [], "shared": []}
+    equal = {}
     for i in range(rounds + 1):  # (round 0 warms up)
         for mode in ("local", "shared") if i % 2 else ("shared", "local"):
             engine.low_rank_refresh = mode
@@ -57,14 +69,12 @@ def _worker(rank: int, port: int, name: str, blocks: int, rounds: int, out: str)
             dist.barrier()
             if i:
                 times[mode].append(time.perf_counter() - t)
-    bases = torch.cat([lowrank.basis(m).reshape(-1) for m in lowrank.matrices(stack)])
-    gathered = [torch.empty_like(bases) for _ in range(RANKS)]
-    dist.all_gather(gathered, bases)
+            equal[mode] = equal.get(mode, True) and _ranks_equal(lowrank, stack)
     if rank == 0:
         m = lowrank.matrices(stack)[0]
         torch.save({"times": times, "matrices": len(lowrank.matrices(stack)),
                     "method": lowrank.method(*m.weight.shape, lowrank.empty_basis(m).shape[1]),
-                    "equal": all(torch.equal(g, gathered[0]) for g in gathered)}, out)
+                    "equal": equal}, out)
     dist.destroy_process_group()
 
 
@@ -82,7 +92,8 @@ def measure(name: str, blocks: int, rounds: int) -> dict:
     n = got["matrices"]
     return {"preset": name, "blocks": blocks, "matrices": n, "svd_method": got["method"], "ranks": RANKS,
             "local_s_per_matrix": local / n, "shared_s_per_matrix": shared / n, "local_over_shared": local / shared,
-            "rounds": {k: [round(t, 4) for t in v] for k, v in got["times"].items()}, "ranks_equal": got["equal"]}
+            "rounds": {k: [round(t, 4) for t in v] for k, v in got["times"].items()},
+            "ranks_equal": all(got["equal"].values()), "ranks_equal_by_mode": got["equal"]}
 
 
 def main(argv: list[str] | None = None) -> int:

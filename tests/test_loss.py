@@ -90,6 +90,13 @@ def test_bad_chunk_and_config_values():
         TrainConfig(loss_rows=-2).validate()
     assert TrainConfig(device="cpu").resolved_loss_rows() == 0 and TrainConfig(device="cuda").resolved_loss_rows() == 4096
     assert TrainConfig(device="cpu", loss_rows=512).resolved_loss_rows() == 512
+    from dataclasses import replace
+
+    from mecefo.config import Config
+
+    cfg = replace(Config(), train=TrainConfig(device="cpu"))  # auto is the whole logits on a CPU: one identity
+    assert replace(cfg, train=TrainConfig(device="cpu", loss_rows=0)).hash() == cfg.hash()
+    assert replace(cfg, train=TrainConfig(device="cuda")).hash() != replace(cfg, train=TrainConfig(device="cuda", loss_rows=0)).hash()
 
 
 @pytest.mark.slow
@@ -112,3 +119,17 @@ def test_fsdp_and_a_neighbour_train_with_the_loss_in_chunks_as_with_the_whole_on
     pa, pb = model_params(tmp_path / "0"), model_params(tmp_path / "7")  # (the sums' order differs: AdamW moves a
     assert all(torch.allclose(pa[k], pb[k], rtol=1e-4, atol=1e-5) for k in pa)  # parameter with a ~0 gradient by up to
     # lr either way; 4.0e-6 measured at most here, losses within 1e-7; the sharded-vs-unsharded test's tolerance)
+
+
+def test_without_grad_it_computes_the_loss_only():
+    """Under no_grad (an evaluation) the loss equals the one with gradients, and torch counts only the logits' GEMM."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    x, w, y = torch.randn(12, 8, requires_grad=True), torch.randn(20, 8, requires_grad=True), torch.randint(0, 20, (12,))
+    with FlopCounterMode(display=False) as counter:
+        loss = chunked_cross_entropy(x, w, y, 5)
+    assert counter.get_total_flops() == 3 * 2 * 12 * 8 * 20  # the logits, G_x and G_W (addmm with out= is counted)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        evaluated = chunked_cross_entropy(x, w, y, 5)
+    assert counter.get_total_flops() == 2 * 12 * 8 * 20 and torch.equal(evaluated, loss.detach())

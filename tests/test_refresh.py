@@ -19,7 +19,7 @@ class Bus:
     """torch.distributed.broadcast among threads: every rank calls it in the same order."""
 
     def __init__(self, n: int):
-        self.barrier, self.slot, self.calls = threading.Barrier(n, timeout=30), None, []
+        self.barrier, self.slot, self.calls, self.reduced = threading.Barrier(n, timeout=30), None, [], []
 
     def rank(self, r: int):
         bus = self
@@ -33,6 +33,20 @@ class Bus:
                 bus.barrier.wait()
                 if r != src:
                     tensor.copy_(bus.slot)
+                bus.barrier.wait()
+
+            class ReduceOp:
+                MAX = "max"
+
+            @staticmethod
+            def all_reduce(tensor, op):
+                bus.barrier.wait()
+                bus.reduced.append(tensor.clone())
+                bus.barrier.wait()
+                tensor.copy_(torch.stack(bus.reduced[-len(bus.reduced):]).amax(0))
+                bus.barrier.wait()
+                if r == 0:
+                    bus.reduced.clear()
                 bus.barrier.wait()
         return Dist
 
@@ -49,7 +63,7 @@ def _engines(n: int, mode: str):
     return bus, engines
 
 
-def _prepare(engines, step: int, failed: frozenset):
+def _prepare(engines, step: int, failed: frozenset, expect_errors: bool = False):
     plan = StepPlan(step, failed, {f: min(set(range(len(engines))) - failed) for f in failed},
                     {r: (Piece(r, 0, 0, 2, 2, MECEFO),) for r in range(len(engines)) if r not in failed})
     errors = []
@@ -66,7 +80,8 @@ def _prepare(engines, step: int, failed: frozenset):
         t.start()
     for t in threads:
         t.join(60)
-    assert not errors, errors
+    assert bool(errors) == expect_errors, errors
+    return errors
 
 
 def _reference(step: int) -> dict:
@@ -123,3 +138,17 @@ def test_the_option_is_checked_and_leaves_the_config_hash_alone():
     with pytest.raises(UsageError, match="cluster.low_rank_refresh='each'"):
         replace(cfg, cluster=replace(cfg.cluster, low_rank_refresh="each")).validate()
     assert replace(cfg, cluster=replace(cfg.cluster, low_rank_refresh="local")).hash() == cfg.hash()
+
+
+def test_an_svd_that_fails_on_one_rank_raises_on_every_rank_at_once():
+    """A refresh that raises on its owner (say, on non-finite weights) is raised by every rank, not left to the others'
+    broadcast timeout."""
+    _, engines = _engines(2, "shared")
+
+    def broken(linear):
+        raise torch.linalg.LinAlgError("the SVD did not converge")
+
+    engines[1].lowrank.basis = broken
+    errors = _prepare(engines, 7, frozenset(), expect_errors=True)
+    assert len(errors) == 2 and any(isinstance(e, torch.linalg.LinAlgError) for e in errors)
+    assert any("another rank" in str(e) for e in errors)

@@ -128,6 +128,8 @@ class Config:
             return replace(self, data=replace(self.data, c4_train_tokens=sized)).validate()
         for section in fields(self):
             getattr(self, section.name).validate()
+        if self.model.hf_config and self.train.loss_rows > 0:
+            raise UsageError("train.loss_rows applies to our GPT; a model.hf_config model takes its whole logits")
         if self.model.hf_config and self.cluster.shard != "none":
             raise UsageError("model.hf_config trains with cluster.shard='none' (FSDP2 sharding is built for our GPT)")
         if self.model.hf_config:
@@ -152,6 +154,7 @@ class Config:
         for k in ("log_every", "device", "keep_checkpoints"):  # (how a run is kept, not what it computes)
             d["train"].pop(k)
         d["cluster"].pop("low_rank_refresh")  # (which rank computes a V1, not what it is)
+        d["train"]["loss_rows"] = self.train.resolved_loss_rows()  # (auto: what it does on this device)
         if self.train.precision == "auto" and self.train.resolved_device() == "cuda":
             d["train"]["precision"] = "bf16"  # what auto does there (on a CPU, auto is fp32 and hashed as "auto")
         if self.model.hf_config:  # the config's content, not where it lies
@@ -164,7 +167,7 @@ class Config:
         return stable_hash(d)
 
 
-HASH_NEUTRAL_DEFAULTS = {("cluster", "failure_free_steps"): 0, ("model", "hf_config"): "", ("train", "loss_rows"): -1}
+HASH_NEUTRAL_DEFAULTS = {("cluster", "failure_free_steps"): 0, ("model", "hf_config"): "", ("train", "loss_rows"): 0}
 
 
 RENAMED = {"low_rank": "r"}  # old key -> new key, refused with a message naming the new one

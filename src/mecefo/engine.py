@@ -357,9 +357,17 @@ class TorchReplicated(Replicated):
             flags = torch.tensor([m in stale for m in linears], dtype=torch.uint8, device=self.device)
             self.dist.broadcast(flags, alive[0])
             owners = [(m, alive[i % len(alive)]) for i, m in enumerate(m for m, f in zip(linears, flags.tolist()) if f)]
-            for m, owner in owners:  # every share first, then the broadcasts (one in between would serialise them)
-                if owner == self.rank:
-                    self.lowrank.basis(m)
+            error = None
+            try:  # every share first, then the broadcasts (one in between would serialise them)
+                for m, owner in owners:
+                    if owner == self.rank:
+                        self.lowrank.basis(m)
+            except Exception as exc:  # noqa: BLE001 (raised below on every rank, not left to a collective's timeout)
+                error = exc
+            failed = torch.tensor([error is not None], dtype=torch.uint8, device=self.device)
+            self.dist.all_reduce(failed, op=self.dist.ReduceOp.MAX)
+            if failed.item():
+                raise error or RuntimeError("the V1 refresh failed on another rank (its log names the error)")
             for m, owner in owners:
                 v1 = self.lowrank.basis(m) if self.rank == owner else self.lowrank.empty_basis(m)
                 self.dist.broadcast(v1, owner)

@@ -30,7 +30,7 @@ STEP_ROW = {
     "replayed_steps": "steps replayed so far (checkpoint-restart)", "replay": "this step is a replay",
     "grad_rel_error": "||g - g_exact|| / ||g_exact|| with --track_grad_error, else null",
     "wall_time_s": "seconds trained so far", "timing": "seconds since the previous row by phase (mecefo.timing: quorum, "
-    "heal, compute, exchange, commit, update, evaluate, checkpoint, pace, other; total)",
+    "heal, refresh, compute, exchange, commit, update, evaluate, checkpoint, pace, other; total)",
     "backend": "backend-specific entries (torchft: rank, time)"}
 SUMMARY = {
     "config": "the resolved config", "config_hash": "its hash", "seed": "train.seed", "steps": "train.steps",
