@@ -58,6 +58,7 @@ def test_the_readme_commands_train_a_llama_config_under_failures_with_mecefo(tmp
     (["--hf_config", "nowhere/config.json"], "cannot be read as a Hugging Face config.json"),
     (["--hf_config", "BAD:gpt2"], "model_type 'gpt2'; supported: llama, mistral, qwen2"),
     (["--hf_config", HF, "--backend", "torch", "--shard", "fsdp"], "trains with cluster.shard='none'"),
+    (["--hf_config", HF, "--loss_rows", "64"], "train.loss_rows applies to our GPT"),
     (["--hf_config", "BAD:small_vocab"], "vocab_size 100 < the tokenizer's 512"),
     (["--hf_config", "BAD:heads"], "num_attention_heads 5 does not divide hidden_size 32"),
     (["--hf_config", "BAD:kv_heads"], "num_key_value_heads 3 does not divide num_attention_heads 4"),
