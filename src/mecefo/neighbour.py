@@ -107,6 +107,11 @@ def randomized_right_basis(w: torch.Tensor, r: int, oversample: int, niter: int,
     return (basis @ z)[:, :r]
 
 
+def basis_dtype(weight_dtype: torch.dtype) -> torch.dtype:
+    """The dtype V1 is computed and kept in for a weight of this dtype: fp32 for bf16/fp16 weights, else the weight's."""
+    return torch.float32 if weight_dtype in (torch.bfloat16, torch.float16) else weight_dtype
+
+
 def exact_right_basis(w: torch.Tensor, r: int) -> torch.Tensor:
     """Top-r right singular vectors (n x r) of w (m x n) by a full SVD (r may exceed min(m, n))."""
     return torch.linalg.svd(w, full_matrices=r > min(w.shape))[2][:r].T
@@ -173,7 +178,7 @@ class LowRankWgrad:
         w = linear.weight.detach()
         if hasattr(w, "full_tensor"):  # an FSDP2 shard (DTensor): gather the whole matrix
             w = w.full_tensor()
-        w = w.float() if w.dtype in (torch.bfloat16, torch.float16) else w
+        w = w.to(basis_dtype(w.dtype))
         m, n = w.shape
         r = resolve_r(self.r, m, n)
         if self.method(m, n, r) == "exact":
@@ -194,8 +199,7 @@ class LowRankWgrad:
         """An uninitialised tensor of V1's shape (n x r), dtype and device for this matrix (a receive buffer)."""
         w = linear.weight
         m, n = w.shape
-        dtype = torch.float32 if w.dtype in (torch.bfloat16, torch.float16) else w.dtype
-        return torch.empty(n, resolve_r(self.r, m, n), dtype=dtype, device=w.device)
+        return torch.empty(n, resolve_r(self.r, m, n), dtype=basis_dtype(w.dtype), device=w.device)
 
     def install(self, linear: torch.nn.Module, v1: torch.Tensor) -> None:
         """Take V1 of this matrix for the current tau-epoch as computed elsewhere (by another rank)."""
