@@ -12,7 +12,9 @@ tensors once per storage, parameters excluded, as mecefo.costs counts them). Und
 (factor V1^T) is timed with the micro-batch, and the refresh of V1 (the three FFN matrices' SVDs, the method
 mecefo.neighbour picks for the shape) once, amortised over tau = 50 steps: both in the time and in the FLOPs (the
 SVD's by mecefo.costs.svd_flops' estimate). The host-overhead proxy: a block of width 8 and 4 tokens, where the time
-is the host's, the neighbour's micro-batch against a normal one. Writes results/bench/neighbour-<profile>.json
+is the host's, the neighbour's micro-batch against a normal one. cluster.neighbour_pass: a neighbour's own and failed
+micro-batch (two sequences, the three techniques) as one pass against one pass each, at every shape and in the proxy.
+Writes results/bench/neighbour-<profile>.json
 (--heap system: neighbour-<profile>-system-heap.json), with c at Table 2's jobs by FLOPs and, where the layer shape
 was measured, by time (paper_figures.neighbour shows both).
 
@@ -73,13 +75,42 @@ class Stack(torch.nn.Module):
         return [getattr(b.ffn, n) for b in self.layers for n in ("gate_proj", "up_proj", "down_proj")]
 
 
-def _step(stack: Stack, x: torch.Tensor, grad: torch.Tensor, cos, sin, neighbour) -> None:
+def _step(stack: Stack, x: torch.Tensor, grad: torch.Tensor, cos, sin, neighbour, finish: bool = True) -> None:
     h = x
     for block in stack.layers:
         h = block(h, cos, sin, neighbour)
     h.backward(grad)
-    if neighbour is not None:
+    if neighbour is not None and finish:
         neighbour.finish()
+
+
+def own_and_failed(stack: Stack, x: torch.Tensor, grad: torch.Tensor, cos, sin, neighbour, fused: bool) -> None:
+    """A neighbour's two micro-batches of one index (x: 2 sequences, its own and the failed rank's) under its
+    techniques, as the engine runs them (cluster.neighbour_pass): one pass of both, or one pass each; the low-rank
+    factors applied once after both, as once per step."""
+    if fused:
+        _step(stack, x, grad, cos, sin, neighbour)
+        return
+    for i in range(x.shape[0]):
+        _step(stack, x[i:i + 1].detach().requires_grad_(), grad[i:i + 1], cos, sin, neighbour, finish=False)
+    neighbour.finish()
+
+
+def pair(stack: Stack, cos, sin, neighbour, tokens: int, rounds: int) -> dict:
+    """Seconds per block of a neighbour's own + failed micro-batch: one pass each (sequential) against one pass of
+    both (fused), the median over rounds alternating them."""
+    x, grad = torch.randn(2, tokens, stack.cfg.dim, requires_grad=True), torch.randn(2, tokens, stack.cfg.dim)
+    times = {"sequential": [], "fused": []}
+    for rnd in range(rounds + 1):  # (the first a warm-up)
+        for k in times:
+            stack.zero_grad(set_to_none=True)
+            t = time.perf_counter()
+            own_and_failed(stack, x, grad, cos, sin, neighbour, fused=k == "fused")
+            if rnd:
+                times[k].append((time.perf_counter() - t) / stack.cfg.n_layers)
+    seq, fused = statistics.median(times["sequential"]), statistics.median(times["fused"])
+    return {"sequential_s": seq, "fused_s": fused, "fused_over_sequential": fused / seq,
+            "rounds": {k: [round(v, 6) for v in ts] for k, ts in times.items()}}
 
 
 def _saved_bytes(stack: Stack, x, cos, sin, neighbour) -> int:
@@ -100,7 +131,7 @@ def _saved_bytes(stack: Stack, x, cos, sin, neighbour) -> int:
     return sum(seen.values()) // stack.cfg.n_layers
 
 
-def measure(name: str, tokens: int, blocks: int, rounds: int) -> dict:
+def measure(name: str, tokens: int, blocks: int, rounds: int, pair_rounds: int = 0) -> dict:
     cfg = _layer_cfg(name, blocks)
     torch.manual_seed(0)
     stack = Stack(cfg)
@@ -145,7 +176,8 @@ def measure(name: str, tokens: int, blocks: int, rounds: int) -> dict:
                    "rounds": [round(s, 6) for s in times[k]]}
     return {"preset": name, "dim": cfg.dim, "ffn_dim": cfg.ffn_dim, "heads": cfg.n_heads, "tokens": tokens,
             "blocks": blocks, "refresh_s_per_block": refresh_s, "svd_flops_per_block": svd, "tau": TAU, "r": R,
-            "svd_method": lowrank.method(*mats[0], resolve_r(R, *mats[0])), "sets": rows}
+            "svd_method": lowrank.method(*mats[0], resolve_r(R, *mats[0])), "sets": rows,
+            "own_and_failed": pair(stack, cos, sin, neighbours["mecefo"], tokens, pair_rounds) if pair_rounds else None}
 
 
 def host_overhead(rounds: int) -> dict:
@@ -158,16 +190,23 @@ def host_overhead(rounds: int) -> dict:
     cos, sin = rope_tables(cfg.head_dim, 4, cfg.rope_theta)
     nb = Neighbour(Techniques.parse("mecefo"), lowrank)
     lowrank.prepare(stack)
-    times = {"normal": [], "mecefo": []}
+    x2, grad2 = torch.randn(2, 4, 8, requires_grad=True), torch.randn(2, 4, 8)
+    runs = {"normal": lambda: _step(stack, x, grad, cos, sin, None), "mecefo": lambda: _step(stack, x, grad, cos, sin, nb),
+            "sequential": lambda: own_and_failed(stack, x2, grad2, cos, sin, nb, fused=False),
+            "fused": lambda: own_and_failed(stack, x2, grad2, cos, sin, nb, fused=True)}
+    times = {k: [] for k in runs}
     for _ in range(rounds):
-        for k, n in (("normal", None), ("mecefo", nb)):
+        for k, run in runs.items():
             t = time.perf_counter()
             for _ in range(20):
                 stack.zero_grad(set_to_none=True)
-                _step(stack, x, grad, cos, sin, n)
+                run()
             times[k].append((time.perf_counter() - t) / 20)
-    normal, mecefo = statistics.median(times["normal"]), statistics.median(times["mecefo"])
-    return {"normal_s": normal, "mecefo_s": mecefo, "ratio": mecefo / normal, "dim": 8, "tokens": 4, "blocks": 4}
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"normal_s": med["normal"], "mecefo_s": med["mecefo"], "ratio": med["mecefo"] / med["normal"],
+            "own_and_failed": {"sequential_s": med["sequential"], "fused_s": med["fused"],
+                               "fused_over_sequential": med["fused"] / med["sequential"]},
+            "dim": 8, "tokens": 4, "blocks": 4}
 
 
 def c_readings(measured: dict) -> dict:
@@ -217,14 +256,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     quick = args.quick
     heap = "retain" if args.heap == "retain" and retain_heap() else "system"
-    shapes = [("tiny", 256, 2, 5), ("small", 256, 2, 5)] if quick else \
-        [("llama-350m", 2048, 2, 9), ("llama-1b", 2048, 1, 7), ("llama-7b", 2048, 1, 5)]
+    shapes = [("tiny", 256, 2, 5, 3), ("small", 256, 2, 5, 3)] if quick else \
+        [("llama-350m", 2048, 2, 9, 5), ("llama-1b", 2048, 1, 7, 3), ("llama-7b", 2048, 1, 5, 3)]
     results = []
-    for name, tokens, blocks, rounds in shapes:
-        results.append(measure(name, tokens, blocks, rounds))
-        r = results[-1]["sets"]
+    for name, tokens, blocks, rounds, pair_rounds in shapes:
+        results.append(measure(name, tokens, blocks, rounds, pair_rounds))
+        r, p = results[-1]["sets"], results[-1]["own_and_failed"]
         print(f"{name} (T = {tokens}): " + "; ".join(f"{k} time {v['time_ratio']:.3f} / FLOPs {v['flop_ratio']:.3f}"
-                                                     for k, v in r.items() if k != "normal"), flush=True)
+                                                     for k, v in r.items() if k != "normal")
+              + f"; own + failed fused / sequential {p['fused_over_sequential']:.3f}", flush=True)
     host = host_overhead(9 if quick else 21)
     readings = c_readings({r["preset"]: r for r in results})
     print(f"host overhead of a neighbour micro-batch (width 8, 4 tokens): {host['ratio']:.2f}x a normal one")

@@ -70,6 +70,12 @@ def section(result: dict, system: dict | None = None, refresh: dict | None = Non
     h = result["host_overhead"]
     lines += ["", f"Host overhead (width {h['dim']}, {h['tokens']} tokens, {h['blocks']} blocks: the time is Python's and "
               f"the dispatcher's): a neighbour's micro-batch takes {h['ratio']:.2f}x a normal one's."]
+    pairs = [(s["preset"], s["own_and_failed"]) for s in result["shapes"] if s.get("own_and_failed")]
+    if pairs and "own_and_failed" in h:
+        lines += ["", "A neighbour's own and failed micro-batch (the three techniques) as one pass of both "
+                  "(`--neighbour_pass fused`) against one pass each (`sequential`, the default), time fused / sequential: "
+                  + "; ".join(f"{m} {p['fused_over_sequential']:.3f}" for m, p in pairs)
+                  + f"; the host-overhead proxy {h['own_and_failed']['fused_over_sequential']:.3f}."]
     if refresh:
         parts = [f"{r['preset']} ({r['matrices']} matrices, {r['svd_method']} SVD) {r['local_s_per_matrix']:.3f} s per "
                  f"matrix computed by each rank, {r['shared_s_per_matrix']:.3f} s shared, {r['local_over_shared']:.2f}x"

@@ -18,7 +18,7 @@ TOKENS, BLOCKS = 32, 2
 @pytest.fixture(scope="module")
 def measured():
     torch.manual_seed(0)
-    return bench.measure("tiny", TOKENS, BLOCKS, 1)
+    return bench.measure("tiny", TOKENS, BLOCKS, 1, pair_rounds=1)
 
 
 @pytest.mark.parametrize("name", ["normal", "recompute_ffn", "low_rank_wgrad", "mecefo", "mecefo_before"])
@@ -50,7 +50,8 @@ def test_the_techniques_keep_what_they_promise(measured):
 
 def test_the_figure_names_every_set_of_every_shape(measured):
     result = {"shapes": [measured], "c": bench.c_readings({}), "git_commit": "0" * 40, "threads": 2, "heap": "retain",
-              "host_overhead": {"ratio": 0.97, "dim": 8, "tokens": 4, "blocks": 4}}
+              "host_overhead": {"ratio": 0.97, "dim": 8, "tokens": 4, "blocks": 4,
+                                "own_and_failed": {"fused_over_sequential": 0.543}}}
     system = {"shapes": [measured], "git_commit": "1" * 40}
     refresh = {"git_commit": "2" * 40, "shapes": [{"preset": "tiny", "matrices": 6, "svd_method": "exact", "ranks": 2,
                "local_s_per_matrix": 0.01, "shared_s_per_matrix": 0.005, "local_over_shared": 2.0, "ranks_equal": True}]}
@@ -58,6 +59,26 @@ def test_the_figure_names_every_set_of_every_shape(measured):
     rows = [line for line in text.splitlines() if line.startswith("| tiny ")]
     assert len(rows) == len(bench.SETS) - 1 and all(line.count("|") == 8 for line in rows)
     assert "heap retain" in text and "0.97x" in text and "`111111111111`" in text
+    assert f"tiny {measured['own_and_failed']['fused_over_sequential']:.3f}" in text and "proxy 0.543" in text
     assert "2.00x" in text and "`222222222222`" in text and "differed" not in text
     for model in result["c"]:
         assert model in text
+
+
+def test_own_and_failed_fused_computes_what_two_passes_compute():
+    """The pair the benchmark times: one pass of both sequences gives the gradients of one pass each (fp64)."""
+    cfg = bench._layer_cfg("tiny", BLOCKS)
+    torch.manual_seed(0)
+    stack = bench.Stack(cfg).double()
+    lowrank = LowRankWgrad(r=bench.R, tau=bench.TAU).bind(stack)
+    lowrank.prepare(stack)
+    neighbour = Neighbour(Techniques.parse("mecefo"), lowrank)
+    x, grad = torch.randn(2, TOKENS, cfg.dim, dtype=torch.float64), torch.randn(2, TOKENS, cfg.dim, dtype=torch.float64)
+    cos, sin = (t[:TOKENS].double() for t in rope_tables(cfg.head_dim, TOKENS, cfg.rope_theta))
+    got = []
+    for fused in (False, True):
+        stack.zero_grad(set_to_none=True)
+        bench.own_and_failed(stack, x.clone().requires_grad_(), grad, cos, sin, neighbour, fused)
+        got.append({n: p.grad.clone() for n, p in stack.named_parameters() if p.grad is not None})
+    assert got[0].keys() == got[1].keys() and got[0]
+    assert all(torch.allclose(got[0][n], got[1][n], rtol=1e-10, atol=1e-12) for n in got[0])

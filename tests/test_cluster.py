@@ -58,11 +58,13 @@ def test_failed_ranks_compute_nothing_and_every_sample_is_accounted(policy):
     assert plan.samples() == len(expected) * 8
 
 
+@pytest.mark.parametrize("neighbour_pass", ["sequential", "fused"])
 @pytest.mark.parametrize("failed", [frozenset(), frozenset({1}), frozenset({0, 2})])
-def test_replicated_engines_with_an_injected_all_reduce_give_the_batched_gradient(nano_data, failed):
+def test_replicated_engines_with_an_injected_all_reduce_give_the_batched_gradient(nano_data, failed, neighbour_pass):
     """The step engine's exchange is its injected all_reduce (torch.distributed's, torchft's Manager's): 3 replicas
     of rank 0, 1, 2 computed one after the other in this process, their flat sums added by hand and handed back as
-    the all-reduce's result, end with the batched engine's aggregated gradient (MeCeFO, V1 shared)."""
+    the all-reduce's result, end with the batched engine's aggregated gradient (MeCeFO, V1 shared), whether a
+    neighbour runs its own and the failed micro-batch one after the other or as one pass."""
     from mecefo.engine import Replicated
 
     batched, model, lowrank = _cluster(nano_data, 3)
@@ -82,7 +84,7 @@ def test_replicated_engines_with_an_injected_all_reduce_give_the_batched_gradien
             total.append(torch.stack(sent).sum(0))
         for rank in range(3):
             replica = Replicated(model, nano_data, 0, torch.device("cpu"), lowrank, nullcontext, n_ranks=3, rank=rank,
-                                 all_reduce=all_reduce)
+                                 all_reduce=all_reduce, neighbour_pass=neighbour_pass)
             replica.compute(plan, None)
             if all_reduce is answer:
                 for name, p in model.named_parameters():

@@ -44,6 +44,7 @@ class ClusterConfig:
     low_rank_tau: int = 50  # optimizer steps between SVD refreshes of V1
     low_rank_svd: str = "auto"  # exact | randomized | auto (randomized when min(m, n) > 1024)
     low_rank_refresh: str = "shared"  # shared (torch backend: each rank 1/n of the SVDs, then broadcast) | local (each all)
+    neighbour_pass: str = "sequential"  # sequential (each micro-batch its own pass) | fused (a neighbour's own + failed as one)
     failure_seed: int = -1  # seed of the failure process (-1: the training seed)
     track_grad_error: bool = False  # also compute the failure-free gradient and log Assumption 3's relative error
 
@@ -61,6 +62,8 @@ class ClusterConfig:
                              f"cluster.policy={self.policy!r}")
         if self.low_rank_refresh not in ("shared", "local"):
             raise UsageError(f"cluster.low_rank_refresh={self.low_rank_refresh!r}; allowed: 'shared', 'local'")
+        if self.neighbour_pass not in ("sequential", "fused"):
+            raise UsageError(f"cluster.neighbour_pass={self.neighbour_pass!r}; allowed: 'sequential', 'fused'")
         if self.low_rank_svd not in ("exact", "randomized", "auto"):
             raise UsageError(f"cluster.low_rank_svd={self.low_rank_svd!r}; allowed: 'exact', 'randomized', 'auto'")
         policies.get(self.policy, trainer=True).validate(self)

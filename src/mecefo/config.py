@@ -154,6 +154,8 @@ class Config:
         for k in ("log_every", "device", "keep_checkpoints"):  # (how a run is kept, not what it computes)
             d["train"].pop(k)
         d["cluster"].pop("low_rank_refresh")  # (which rank computes a V1, not what it is)
+        if self.cluster.backend == "local":  # (it runs every rank's micro-batch m in one pass whatever neighbour_pass says)
+            d["cluster"]["neighbour_pass"] = "sequential"
         d["train"]["loss_rows"] = self.train.resolved_loss_rows()  # (auto: what it does on this device)
         if self.train.precision == "auto" and self.train.resolved_device() == "cuda":
             d["train"]["precision"] = "bf16"  # what auto does there (on a CPU, auto is fp32 and hashed as "auto")
@@ -167,7 +169,8 @@ class Config:
         return stable_hash(d)
 
 
-HASH_NEUTRAL_DEFAULTS = {("cluster", "failure_free_steps"): 0, ("model", "hf_config"): "", ("train", "loss_rows"): 0}
+HASH_NEUTRAL_DEFAULTS = {("cluster", "failure_free_steps"): 0, ("model", "hf_config"): "", ("train", "loss_rows"): 0,
+                         ("cluster", "neighbour_pass"): "sequential"}
 
 
 RENAMED = {"low_rank": "r"}  # old key -> new key, refused with a message naming the new one

@@ -42,7 +42,7 @@ from .checkpoint import Component
 from .errors import UsageError
 from .model import group_of
 from .neighbour import LowRankWgrad, Neighbour, Techniques
-from .plan import NORMAL, Piece, StepPlan
+from .plan import NORMAL, Piece, StepPlan, fuse
 from .timing import Clock
 
 
@@ -68,6 +68,7 @@ class StepEngine:
     all_reduce: Callable | None = None  # SUM in place over the replicas (ranks or replica groups); None: none
     shard_group: tuple[int, int] = (0, 1)  # (this process, processes) sharing the model's shards (Sharded)
     low_rank_refresh: str = "shared"  # V1's SVDs: shared among the ranks (TorchReplicated) or computed by each (local)
+    neighbour_pass: str = "sequential"  # a process's pieces each in its own pass, or fused (mecefo.plan.fuse)
     _neighbours: dict = field(default_factory=dict)
     current_step: int = 0
     clock: Clock = None  # where the step's time goes (mecefo.timing; the Run's)
@@ -154,29 +155,31 @@ class StepEngine:
         """A loss sum on the device in fp64: the same arithmetic as Python floats of each piece's loss."""
         return torch.zeros((), dtype=torch.float64, device=self.device)
 
-    def run_piece(self, p: Piece, weight: float) -> torch.Tensor:
-        """Forward and backward of one piece, weight * gradient accumulated into .grad; returns its loss."""
-        return self.forward_backward(*self.rows(p), p.techniques, weight)
-
-    def run_batch(self, pieces: list[Piece]) -> tuple[torch.Tensor, float]:
+    def run_batch(self, pieces: list[Piece], weight: float | None = None) -> tuple[torch.Tensor, float]:
         """Pieces with the same techniques in one forward and backward, their rows concatenated: with R rows
         of micro-batches of b rows, sum_p w_p grad(mean loss of p) = (R / b) grad(mean loss of the R rows),
-        and sum_p w_p = R / b. Returns (sum w * loss, sum w)."""
+        and sum_p w_p = R / b (weight, where given, instead: 0 for a filler pass). Returns (sum w * loss, sum w)."""
         if len({(p.techniques, p.batch) for p in pieces}) != 1:
             raise ValueError("a batch needs pieces of one technique set and one micro-batch size")
         rows = [self.rows(p) for p in pieces]
-        weight = sum(p.weight for p in pieces)
-        loss = self.forward_backward(np.concatenate([x for x, _ in rows]), np.concatenate([y for _, y in rows]),
-                                     pieces[0].techniques, weight)
+        weight = sum(p.weight for p in pieces) if weight is None else weight
+        x, y = (rows[0] if len(rows) == 1 else (np.concatenate([x for x, _ in rows]), np.concatenate([y for _, y in rows])))
+        loss = self.forward_backward(x, y, pieces[0].techniques, weight)
         return loss.double() * weight, weight
 
+    def passes(self, pieces) -> list[list[Piece]]:
+        """This process's forward and backward passes over its pieces: each piece alone (neighbour_pass 'sequential'),
+        or those of one micro-batch index and technique set together ('fused': a neighbour's own and failed
+        micro-batch m in one pass of twice the rows; mecefo.plan.fuse)."""
+        return fuse(pieces) if self.neighbour_pass == "fused" else [[p] for p in pieces]
+
     def run_pieces(self, pieces) -> tuple[torch.Tensor, float]:
-        """Forward and backward of the pieces, gradients accumulated into .grad; returns (sum w*loss on the device,
-        sum w)."""
+        """Forward and backward of the pieces (in this process's passes), gradients accumulated into .grad; returns
+        (sum w*loss on the device, sum w)."""
         loss_sum, weight_sum = self.zero_sum(), 0.0
-        for p in pieces:
-            loss_sum = loss_sum + self.run_piece(p, p.weight).double() * p.weight
-            weight_sum += p.weight
+        for group in self.passes(pieces):
+            ls, ws = self.run_batch(group)
+            loss_sum, weight_sum = loss_sum + ls, weight_sum + ws
         self.lowrank.finish()
         return loss_sum, weight_sum
 
@@ -274,12 +277,8 @@ class Batched(StepEngine):
     def step(self, plan: StepPlan) -> StepResult:
         self.current_step = plan.step
         self.model.zero_grad(set_to_none=True)
-        batches: dict[tuple[int, Techniques, int], list[Piece]] = {}
-        for rank in sorted(plan.pieces):
-            for p in plan.pieces[rank]:
-                batches.setdefault((p.micro, p.techniques, p.batch), []).append(p)
         loss_sum, weight_sum = self.zero_sum(), 0.0
-        for pieces in batches.values():
+        for pieces in fuse([p for rank in sorted(plan.pieces) for p in plan.pieces[rank]]):
             ls, ws = self.run_batch(pieces)
             loss_sum, weight_sum = loss_sum + ls, weight_sum + ws
         self.lowrank.finish()
@@ -447,19 +446,20 @@ class Sharded(StepEngine):
     def build_model(cls, model_cfg, device: torch.device, seed: int) -> torch.nn.Module:
         return sharded_model(model_cfg, device, seed)  # before the optimizer, which must see the shards
 
-    def shares(self, plan: StepPlan) -> list[tuple[Piece, float]]:
-        """This process's passes: (piece, weight), weight 0 for a filler pass."""
+    def shares(self, plan: StepPlan) -> list[tuple[list[Piece], float]]:
+        """This process's passes (self.passes): (pieces, weight), weight 0 for a filler pass."""
         j, k = self.shard_group
         if self.all_reduce is None:  # one process per rank
-            mine = plan.pieces.get(j, ())
-            passes = max((len(ps) for ps in plan.pieces.values()), default=0)
-            filler = Piece(j, 0, 0, 1, 1)  # one row of this rank's own first micro-batch, weight 0
-            return [(p, p.weight) for p in mine] + [(filler, 0.0)] * (passes - len(mine))
+            mine = self.passes(plan.pieces.get(j, ()))
+            passes = max((len(self.passes(ps)) for ps in plan.pieces.values()), default=0)
+            filler = [Piece(j, 0, 0, 1, 1)]  # one row of this rank's own first micro-batch, weight 0
+            return [(ps, sum(p.weight for p in ps)) for ps in mine] + [(filler, 0.0)] * (passes - len(mine))
         shares = []
-        for piece in plan.pieces.get(self.rank, ()):
-            mine = row_share(piece, j, k)
-            shares.append((mine, mine.weight) if mine is not None else  # more processes than rows: one row at 0
-                          (Piece(piece.owner, piece.micro, piece.start, piece.start + 1, piece.batch, piece.techniques), 0.0))
+        for group in self.passes(plan.pieces.get(self.rank, ())):
+            mine = [s for s in (row_share(p, j, k) for p in group) if s is not None]
+            first = group[0]  # more processes than rows: one row at weight 0
+            shares.append((mine, sum(p.weight for p in mine)) if mine else
+                          ([Piece(first.owner, first.micro, first.start, first.start + 1, first.batch, first.techniques)], 0.0))
         return shares
 
     def step(self, plan: StepPlan) -> StepResult:
@@ -468,9 +468,9 @@ class Sharded(StepEngine):
         self.current_step = plan.step
         self.model.zero_grad(set_to_none=True)
         loss_sum, weight_sum = self.zero_sum(), 0.0
-        for piece, weight in self.shares(plan):  # each backward reduce-scatters and accumulates into the shards
-            loss = self.run_piece(piece, weight)
-            loss_sum, weight_sum = loss_sum + loss.double() * weight, weight_sum + weight
+        for pieces, weight in self.shares(plan):  # each backward reduce-scatters and accumulates into the shards
+            ls, ws = self.run_batch(pieces, weight)
+            loss_sum, weight_sum = loss_sum + ls, weight_sum + ws
         j, k = self.shard_group
         with self.clock("exchange"):
             add_low_rank_rows(self.model, self.lowrank, plan, j, k, dist.all_reduce)

@@ -81,6 +81,17 @@ def assign_neighbours(failed: frozenset[int], n: int) -> dict[int, int]:
     return out
 
 
+def fuse(pieces) -> list[list[Piece]]:
+    """The pieces that can run as one forward and backward pass: those sharing a micro-batch index, a technique set
+    and a micro-batch size (a neighbour's own and failed micro-batch m, under its techniques), in order of first
+    appearance. One pass of R rows of b-row micro-batches gives sum_p w_p grad(mean loss of p) as (R / b) grad(mean
+    loss of the R rows) (mecefo.engine.StepEngine.run_batch)."""
+    passes: dict[tuple, list[Piece]] = {}
+    for p in pieces:
+        passes.setdefault((p.micro, p.techniques, p.batch), []).append(p)
+    return list(passes.values())
+
+
 def rank_flops(plan: StepPlan, piece_flops, apply_flops: int) -> dict[int, int]:
     """FLOPs each computing rank does this step; piece_flops(rows, techniques) gives one piece's
     forward+backward, apply_flops the once-per-step V1^T product of a rank using low_rank_wgrad."""

@@ -195,7 +195,7 @@ class Run:
         self.lowrank = LowRankWgrad(r=cc.r, tau=cc.low_rank_tau, svd=cc.low_rank_svd, seed=tc.seed).bind(self.model)
         self.engine = engine(self.model, self.data, tc.seed, device, self.lowrank, lambda: autocast(device, tc.precision),
                              n_ranks=cc.ranks, rank=rank, low_rank_refresh=cc.low_rank_refresh,
-                             **self.membership.engine_options(cc.shard))
+                             neighbour_pass=cc.neighbour_pass, **self.membership.engine_options(cc.shard))
         self.clock = self.membership.clock = self.engine.clock  # where each step's time goes (mecefo.timing)
         self.flops = _FlopModel(self.model_cfg, cfg.data, cc.r)
         self.progress = Progress()
