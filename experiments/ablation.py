@@ -27,8 +27,8 @@ import time
 import torch
 from tqdm import tqdm
 
-from mecefo.costs import (Shape, analytic_flops, counted_flops, ffn_matrices, peak_memory, saved_activation_bytes,
-                          svd_flops)
+from mecefo.costs import (Shape, analytic_flops, counted_flops, ffn_matrices, peak_memory, refresh_flops,
+                          saved_activation_bytes)
 from mecefo.model import GPT, count_parameters, preset
 from mecefo.neighbour import LowRankWgrad, Neighbour, Techniques
 from mecefo.records import atomic_write_json, git_commit, package_versions, stable_hash
@@ -138,10 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                "activation_bytes_together": together, "activation_bytes_sequential": per_micro_bytes,
                "memory_fit": memory_fit(name, together, b)}
         if "low_rank" in row:  # the SVD method LowRankWgrad(svd="auto") picks: exact up to min(m, n) = 1024
-            lr = LowRankWgrad(r=r)
-            rec["svd_flops_per_refresh"] = cfg.n_layers * sum(
-                svd_flops(m, n, w, lr.method(m, n, w), lr.oversample_columns(w), lr.niter)
-                for m, n, w in ffn_matrices(cfg, r))
+            rec["svd_flops_per_refresh"] = refresh_flops(cfg, r)
         if name in wall_presets:
             rec["wall_ratio"] = time_ratio(name, techniques, micro, r, rounds)
             rec["peak_memory"] = peak_memory(cfg, Shape(micro * b, SEQ_LEN), techniques, r=r)

@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from mecefo.costs import Shape, analytic_flops, svd_flops
+from mecefo.costs import Shape, analytic_flops, refresh_flops
 from mecefo.model import Block, ModelConfig, preset, rope_tables
 from mecefo.neighbour import LowRankWgrad, Neighbour, Techniques, resolve_r
 from mecefo.records import atomic_write_json, git_commit, package_versions
@@ -157,8 +157,7 @@ def measure(name: str, tokens: int, blocks: int, rounds: int, pair_rounds: int =
     shape = Shape(1, tokens)
     flops, rows = {}, {}
     mats = [(m.weight.shape[0], m.weight.shape[1]) for m in stack.ffn_linears()[:3]]
-    svd = sum(svd_flops(m, n, resolve_r(R, m, n), lowrank.method(m, n, resolve_r(R, m, n)),
-                        lowrank.oversample_columns(resolve_r(R, m, n)), lowrank.niter) for m, n in mats)
+    svd = refresh_flops(cfg, R, lowrank) // blocks
     for k, v in SETS.items():
         f = analytic_flops(cfg, shape, Techniques.parse(v), R)
         flops[k] = f["attention"] + f["ffn"] + f["wgrad_apply"] / cfg.n_layers

@@ -16,6 +16,8 @@ from mecefo.errors import guarded
 from mecefo.records import atomic_write_json, git_commit
 from mecefo.results import measurement, paper_numbers, quick_flag, read_measurement
 
+from .throughput import TIMED
+
 PAPER = paper_numbers()["table2_throughput_tokens_per_s"]
 MODELS = list(PAPER["rows"])  # the paper's order (results JSON is written with sorted keys)
 
@@ -164,6 +166,16 @@ def reconcilers(hyp: dict, name: str, t2: dict) -> tuple[list[str], list[str]]:
     return inside, outside
 
 
+def timed_sentence(row: dict) -> str:
+    """MeCeFO's drop with c read from the neighbour's measured time (experiments.throughput.TIMED), where measured."""
+    if TIMED not in row["high"]:
+        return ""
+    cost = row["cost"]
+    return (f"With c by the neighbour's measured time at this layer shape (c = {cost['c_time']:.3f}, its FLOP count "
+            f"x {cost['time_over_flop']:.3f}; experiments.bench_neighbour at `{cost['measured_by'][:12]}`), the drop is "
+            f"{fmt_drop(drop(row, TIMED))}. ")
+
+
 def verdict(result: dict, hyp_result: dict, t2: dict) -> str:
     """t2: with_derived(result, hyp_result)."""
     hyp, bound = in_order(hyp_result["hypotheses"]), hyp_result["bound"]
@@ -183,7 +195,7 @@ def verdict(result: dict, hyp_result: dict, t2: dict) -> str:
             + (f"; by none of {', '.join(misses)} in the swept range" if misses else "")
             + f". The paper's drop needs c = {bound['models'][name]['c_needed']:.3f} at f = {100 * bound['f']:.1f}% "
             f"(MeCeFO's techniques: c = {bound['models'][name]['technique_sets']['+ low_rank_wgrad (MeCeFO)']['c']:.3f}). "
-            f"Baselines: {base}.")
+            + timed_sentence(row) + f"Baselines: {base}.")
     fitted_on = result["bamboo_fit"]["fitted_on"]
     mean_abs = {}
     for p, e in errors.items():  # the fitted row is judged on the models it predicts only

@@ -16,7 +16,7 @@ import numpy as np
 from tqdm import tqdm
 
 from mecefo.failures import SCENARIOS, FailureScenario, Schedule, export_trace
-from mecefo.records import atomic_write_json, git_commit
+from mecefo.records import atomic_write_json, git_commit, stable_hash
 from mecefo.policies import simulator_policies
 from mecefo.results import measurement, reusable, sources_digest, quick_flag
 from mecefo.simulator import CostModel, Job, ci95, mtbf, scenario_failures, simulate
@@ -42,6 +42,26 @@ VARIANTS = {"oobleck (rejoin at next failure)": ("oobleck", {"oobleck_rejoin": "
 
 
 FITTED = "bamboo (reconfiguration fitted on 7B)"
+TIMED = "mecefo (c by time)"
+BENCH = RESULTS / "bench" / "neighbour-default.json"  # experiments.bench_neighbour at Table 2's layer shapes
+
+
+def time_readings(path=BENCH) -> dict:
+    """model -> the MeCeFO techniques' time / FLOP quotient that experiments.bench_neighbour measured at the model's
+    layer shapes (its default profile; {} where it has not run), with the commit that measured it."""
+    if not path.exists():
+        return {}
+    import json
+
+    bench = json.loads(path.read_text())
+    return {s["preset"]: {"time_over_flop": s["sets"]["mecefo"]["time_over_flop"], "git_commit": bench["git_commit"]}
+            for s in bench["shapes"] if s["preset"] in PAPER_JOBS}
+
+
+def timed(job: Job, reading: dict) -> Job:
+    """The job with the neighbour's step time scaled from its FLOPs by the measured quotient (Job.neighbour_alpha):
+    the reading of Table 2 whose c is the neighbour's measured time, not its FLOP count."""
+    return replace(job, neighbour_alpha=CostModel(job).alpha(1) * reading["time_over_flop"])
 
 
 def drops(job: Job, policy: str, seeds: int, horizon_s: float = HORIZON_S, start: str = "stationary",
@@ -98,8 +118,9 @@ def run_cell(job: Job, scenario: FailureScenario, seeds: int, policies=None, tra
             for p, v in out.items()}
 
 
-def table2(seeds: int, trace_dir) -> tuple[dict, dict]:
-    """Per model and failure level, every policy's throughput; and the Bamboo fit (fit_bamboo_reconfig)."""
+def table2(seeds: int, trace_dir, readings: dict | None = None) -> tuple[dict, dict]:
+    """Per model and failure level, every policy's throughput; and the Bamboo fit (fit_bamboo_reconfig). readings
+    (time_readings): where a model's layer shape was measured, MeCeFO again as TIMED, its c by time."""
     from mecefo.results import paper_numbers
 
     paper_bamboo = paper_numbers()["table2_throughput_tokens_per_s"]["rows"]["llama-7b"]["Bamboo"][2]
@@ -111,6 +132,11 @@ def table2(seeds: int, trace_dir) -> tuple[dict, dict]:
         fitted = {} if k is None else {FITTED: ("bamboo", {"bamboo_reconfig_s": k * job.const("bamboo_reconfig_s")})}
         rows[name] = {"job": asdict(job), "cost": {"alpha_1": cost.alpha(1), "c": cost.relative_cost,
                                                    "step_s": sum(cost.base.values())}}
+        if name in (readings or {}):
+            q = readings[name]
+            fitted[TIMED] = ("mecefo", {"neighbour_alpha": timed(job, q).neighbour_alpha})
+            rows[name]["cost"] |= {"c_time": cost.relative_cost * q["time_over_flop"], "time_over_flop": q["time_over_flop"],
+                                   "alpha_1_time": timed(job, q).neighbour_alpha, "measured_by": q["git_commit"]}
         for level in ("none", "low", "mid", "high"):
             rows[name][level] = run_cell(job, SCENARIOS[level], 1 if level == "none" else seeds, trace_dir=trace_dir,
                                          variants=fitted)
@@ -164,7 +190,8 @@ def scaling(seeds: int, sizes) -> dict:
 def main(argv: list[str] | None = None) -> int:
     quick = quick_flag(argv, __doc__)
     path = measurement("throughput", "throughput", quick)
-    digest = sources_digest()
+    readings = time_readings()
+    digest = sources_digest() + ("" if not readings else "+" + stable_hash(readings))  # (a new measurement: a new run)
     if reusable(path, digest):
         print(f"reusing {path}")
         return 0
@@ -172,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = (32, 512, 8192, 100_000) if quick else (32, 128, 512, 2048, 8192, 32768, 100_000)
     steps = tqdm(total=4, desc="throughput", disable=not sys.stderr.isatty())
     result = {"horizon_s": HORIZON_S, "seeds": seeds, "git_commit": git_commit(), "sources_digest": digest}
-    result["table2"], result["bamboo_fit"] = table2(seeds, RESULTS / "throughput" / "traces")
+    result["table2"], result["bamboo_fit"] = table2(seeds, RESULTS / "throughput" / "traces", readings)
     steps.update(1)
     result["sensitivity"] = sensitivity(max(3, seeds // 3))
     steps.update(1)

@@ -88,6 +88,14 @@ def svd_flops(m: int, n: int, r: int, method: str, oversample: int, niter: int) 
     return 2 * m * n * q * (2 * niter + 2) + 4 * (niter + 1) * m * q * q
 
 
+def refresh_flops(cfg: ModelConfig, r: float = 0.125, lowrank: LowRankWgrad | None = None) -> int:
+    """Estimated FLOPs of one refresh of V1 over the model: every FFN matrix's SVD (svd_flops), by the method, extra
+    columns and power iterations the LowRankWgrad picks (default: LowRankWgrad(r), exact up to min(m, n) = 1024)."""
+    lr = lowrank or LowRankWgrad(r=r)
+    return cfg.n_layers * sum(svd_flops(m, n, w, lr.method(m, n, w), lr.oversample_columns(w), lr.niter)
+                              for m, n, w in ffn_matrices(cfg, r))
+
+
 def _meta_model(cfg: ModelConfig) -> GPT:
     with torch.device("meta"):
         return GPT(cfg)

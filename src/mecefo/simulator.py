@@ -9,6 +9,8 @@ Cost model of one optimizer step, m = global_batch / (dp * b) micro-batches of b
     ring all-reduce of a stage's bf16 gradients over dp replicas: 2 (dp - 1) / dp * bytes / bandwidth
       (NVLink when the replicas fit in one node, else InfiniBand), of which a fraction `overlap` is hidden
     step time = compute + (1 - overlap) all-reduce
+    a neighbour covering k failed GPUs: (k + 1) m micro-batches under the techniques, and per step the low-rank
+      factors' V1^T products and 1/tau of a V1 refresh (its stage's SVDs: costs.refresh_flops' estimate)
 Policies come from the registry (mecefo.policies): each gives the breakdown and trained tokens of a step
 with a failed set held fixed (a synchronous step is as slow as its slowest GPU), the pause of a failure
 or recovery event, and, for checkpoint-restart, a checkpoint interval after which work is safe.
@@ -32,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .costs import Shape, analytic_flops
+from .costs import Shape, analytic_flops, refresh_flops
 from .failures import REFERENCE_RANKS, Event, FailureScenario, generate
 from .model import count_parameters, preset
 from .neighbour import Techniques
@@ -130,7 +132,7 @@ class CostModel:
     job: Job
     flops_normal: int = 0  # one micro-batch through the whole model, forward + backward
     flops_neighbour: int = 0  # the same with MeCeFO's techniques (without the per-step apply)
-    flops_apply: int = 0
+    flops_apply: int = 0  # per step: the low-rank factors' V1^T products and one V1 refresh's SVDs / tau
     t_mb: float = 0.0
     t_mb_neighbour: float = 0.0
     t_apply: float = 0.0
@@ -143,6 +145,8 @@ class CostModel:
         normal = analytic_flops(cfg, shape, Techniques(), j.r)
         nb = analytic_flops(cfg, shape, Techniques.parse(j.techniques), j.r)
         self.flops_normal, self.flops_neighbour, self.flops_apply = normal["total"], nb["total"] - nb["wgrad_apply"], nb["wgrad_apply"]
+        if Techniques.parse(j.techniques).low_rank_wgrad:  # every GPU computes its stage's V1 (the torch backend shares it)
+            self.flops_apply += refresh_flops(cfg, j.r) / j.low_rank_tau
         rate = GPUS[j.gpu]["peak_flops"] * j.mfu * j.pp  # layers split evenly over the stages
         self.t_mb, self.t_mb_neighbour, self.t_apply = self.flops_normal / rate, self.flops_neighbour / rate, self.flops_apply / rate
         grad_bytes = 2 * count_parameters(cfg) / j.pp
@@ -175,7 +179,7 @@ class CostModel:
     @property
     def relative_cost(self) -> float:
         """c: the cost of computing one failed GPU's micro-batches with the techniques (the per-step
-        low-rank apply included), relative to computing them normally."""
+        low-rank apply and the V1 refresh's SVDs / tau included), relative to computing them normally."""
         m = self.job.micro_batches
         return (self.t_mb_neighbour * m + self.t_apply) / (self.t_mb * m)
 

@@ -1,0 +1,52 @@
+"""Table 2's time reading: MeCeFO simulated again with its c read from the neighbour's measured time at the model's
+layer shape (experiments.bench_neighbour's time / FLOP quotient), beside the FLOP reading."""
+
+import json
+
+import pytest
+
+from experiments.table2 import timed_sentence
+from experiments.throughput import PAPER_JOBS, TIMED, time_readings, timed
+from mecefo.failures import SCENARIOS
+from mecefo.simulator import CostModel, mtbf, scenario_failures, simulate
+
+H = 24 * 3600.0
+
+
+def _bench(tmp_path, quotients: dict) -> object:
+    path = tmp_path / "neighbour-default.json"
+    shapes = [{"preset": m, "sets": {"mecefo": {"time_over_flop": q}}} for m, q in quotients.items()]
+    path.write_text(json.dumps({"shapes": shapes, "git_commit": "a" * 40}))
+    return path
+
+
+def test_readings_come_from_the_bench_for_table_2s_models_only(tmp_path):
+    got = time_readings(_bench(tmp_path, {"llama-350m": 1.05, "tiny": 2.0, "llama-7b": 0.98}))
+    assert got == {"llama-350m": {"time_over_flop": 1.05, "git_commit": "a" * 40},
+                   "llama-7b": {"time_over_flop": 0.98, "git_commit": "a" * 40}}
+    assert time_readings(tmp_path / "absent.json") == {}
+
+
+def _drop(job, seed: int = 0) -> float:
+    events, down = scenario_failures(SCENARIOS["high"], job, H, seed)
+    base = simulate(job, "mecefo", [], H).throughput
+    return 1 - simulate(job, "mecefo", events, H, mtbf(SCENARIOS["high"], job.gpus), down).throughput / base
+
+
+@pytest.mark.parametrize("model", ["llama-350m", "llama-7b"])
+def test_a_quotient_of_one_is_the_flop_reading_and_a_slower_neighbour_drops_more(model):
+    job = PAPER_JOBS[model]
+    flop = CostModel(job)
+    assert CostModel(timed(job, {"time_over_flop": 1.0})).alpha(1) == pytest.approx(flop.alpha(1), rel=1e-12)
+    assert CostModel(timed(job, {"time_over_flop": 1.2})).alpha(1) == pytest.approx(1.2 * flop.alpha(1), rel=1e-12)
+    assert _drop(timed(job, {"time_over_flop": 1.0})) == pytest.approx(_drop(job), rel=1e-9)
+    assert _drop(timed(job, {"time_over_flop": 0.9})) <= _drop(job) < _drop(timed(job, {"time_over_flop": 1.2}))
+
+
+def test_the_verdict_names_the_timed_drop_only_where_it_was_measured():
+    cell = lambda mean, lo, hi: {"mean": mean, "ci95": [lo, hi]}  # noqa: E731
+    row = {"none": {TIMED: cell(100.0, 100.0, 100.0)}, "high": {TIMED: cell(60.0, 59.0, 61.0)},
+           "cost": {"c_time": 0.801, "time_over_flop": 1.062, "measured_by": "b" * 40}}
+    text = timed_sentence(row)
+    assert "c = 0.801" in text and "x 1.062" in text and "`bbbbbbbbbbbb`" in text and "40.00% [39.00, 41.00]" in text
+    assert timed_sentence({"high": {"mecefo": {}}}) == ""
