@@ -13,10 +13,11 @@ Checks, each recorded in results/gpu_check.json (results/gpu_check-cpu.json for 
    multi-rank failure paths of both backends are covered by the gloo tests on the CPU).
 4. torchft (mecefo.launch): two replicas with one killed and healed where there are two devices, one on a single
    GPU; on CUDA, one replica more than GPUs must be refused with one line (NCCL would refuse it at every restart).
-5. throughput of llama-60m and llama-130m (bf16 autocast, AdamW, synthetic tokens): tokens/s of a normal
-   step, MFU = counted FLOPs (mecefo.costs) x steps/s / the GPU's bf16 dense peak, the wall-time ratio of a
-   MeCeFO neighbour step (two micro-batches with the three techniques) to a normal step measured
-   alternately in the same run, and the measured peak memory against mecefo.costs.training_memory.
+5. throughput of llama-60m and llama-130m (bf16 autocast, fused AdamW, the loss in chunks as the trainer takes it,
+   synthetic tokens), eager and with --compile (mecefo.model.compile_blocks): tokens/s of a normal step, MFU =
+   counted FLOPs (mecefo.costs) x steps/s / the GPU's bf16 dense peak, the wall-time ratio of a MeCeFO neighbour
+   step (two micro-batches with the three techniques) to a normal step measured alternately in the same run beside
+   its FLOP ratio, and the measured peak memory against mecefo.costs.training_memory.
 """
 
 from __future__ import annotations
@@ -170,11 +171,20 @@ def check_torchft(device: torch.device, tmp: Path) -> dict:
     return out
 
 
-def check_throughput(device: torch.device, name: str, micro_batch: int, seq_len: int, steps: int) -> dict:
-    """Normal and MeCeFO-neighbour steps alternated on one model; returns tokens/s, MFU, ratio, memory."""
+def check_throughput(device: torch.device, name: str, micro_batch: int, seq_len: int, steps: int,
+                     compile: bool = False) -> dict:
+    """Normal and MeCeFO-neighbour steps alternated on one model (its blocks compiled if asked); returns tokens/s, MFU,
+    the time ratio beside the FLOP ratio, memory."""
+    from mecefo.config import TrainConfig
+    from mecefo.model import compile_blocks
+
+    torch._dynamo.reset()
     torch.manual_seed(0)
     cfg = preset(name)
     model = GPT(cfg).to(device)
+    model.loss_rows = TrainConfig(device=device.type).resolved_loss_rows()
+    if compile:
+        compile_blocks(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     lowrank = LowRankWgrad().bind(model)
     neighbour = Neighbour(MECEFO, lowrank)
@@ -196,8 +206,10 @@ def check_throughput(device: torch.device, name: str, micro_batch: int, seq_len:
         return time.perf_counter() - t
 
     lowrank.prepare(model)
-    for _ in range(2):  # warm-up (kernels, allocator, V1)
+    t0 = time.perf_counter()
+    for _ in range(2):  # warm-up (kernels, allocator, V1; the compiler's graphs)
         step(None, 1), step(neighbour, 2)
+    warm_up = time.perf_counter() - t0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     normal, ratios = [], []
@@ -209,13 +221,16 @@ def check_throughput(device: torch.device, name: str, micro_batch: int, seq_len:
     measured_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     shape = Shape(micro_batch, seq_len)
     flops = analytic_flops(cfg, shape, Techniques())["total"]
+    nb = analytic_flops(cfg, shape, MECEFO)
     t = statistics.median(normal)
     peak = peak_flops(device)
     predicted = training_memory(cfg, shape, 1, "none", MECEFO)
     return {"preset": name, "parameters": count_parameters(cfg), "micro_batch": micro_batch, "seq_len": seq_len,
+            "compiled": compile, "warm_up_seconds": warm_up,
             "tokens_per_s": shape.tokens / t, "step_seconds": t, "flops_per_step": flops,
             "mfu": flops / t / peak if peak else None, "peak_flops": peak,
             "neighbour_over_normal_time": statistics.median(ratios),
+            "neighbour_over_normal_flops": (2 * (nb["total"] - nb["wgrad_apply"]) + nb["wgrad_apply"]) / flops,
             "measured_peak_bytes": measured_peak, "predicted_bytes": predicted,
             "measured_over_predicted": measured_peak / predicted["total"] if measured_peak else None}
 
@@ -247,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         result["torchft"] = check_torchft(device, tmp)
     print("5/5 throughput, MFU, neighbour time ratio, peak memory", flush=True)
     sizes = [("nano", 4, 64, 3)] if quick else [("llama-60m", 32, 256, 10), ("llama-130m", 32, 256, 10)]
-    result["throughput"] = [check_throughput(device, *s) for s in sizes]
+    result["throughput"] = [check_throughput(device, *s, compile=c) for s in sizes for c in (False, True)]
     result["seconds"] = time.perf_counter() - t0
     ok = (all(p["exit"] == 0 and p["finite"] and p["steps_with_failures"] > 0 for p in result["policies"].values())
           and all(t["exit"] == 0 for t in result["torchrun"].values()) and result["low_rank"]["energy_gap"] < 0.01
@@ -260,8 +275,9 @@ def main(argv: list[str] | None = None) -> int:
         mfu = f"MFU {100 * t['mfu']:.1f}%" if t["mfu"] else "MFU n/a (no known peak)"
         mem = (f", peak memory {t['measured_peak_bytes'] / 1e9:.2f} GB vs predicted {t['predicted_bytes']['total'] / 1e9:.2f} GB"
                if t["measured_peak_bytes"] else "")
-        print(f"{t['preset']}: {t['tokens_per_s']:.0f} tokens/s, {mfu}, neighbour/normal time "
-              f"{t['neighbour_over_normal_time']:.2f}{mem}")
+        print(f"{t['preset']}{' compiled' if t['compiled'] else ''}: {t['tokens_per_s']:.0f} tokens/s, {mfu}, "
+              f"neighbour/normal time {t['neighbour_over_normal_time']:.2f} (FLOPs "
+              f"{t['neighbour_over_normal_flops']:.2f}){mem}")
     print(f"gpu check {'passed' if ok else 'FAILED'} in {result['seconds']:.0f} s -> {path}")
     return 0 if ok else 1
 

@@ -189,7 +189,7 @@ def gpu(records: list[dict]) -> str:
         (ran if run["exit"] == 0 else failed).append(what)
         if "refused" in ft:
             (ran if ft["refused"]["exit"] == 2 else failed).append("one replica more than GPUs refused in one line")
-    speed = "; ".join(f"{t['preset']} {t['tokens_per_s']:,.0f} tokens/s (MFU {100 * t['mfu']:.1f}%, peak memory "
+    speed = "; ".join(f"{t['preset']}{' compiled' if t.get('compiled') else ''} {t['tokens_per_s']:,.0f} tokens/s (MFU {100 * t['mfu']:.1f}%, peak memory "
                       f"{t['measured_over_predicted']:.2f}x mecefo.costs' prediction)" for t in r["throughput"])
     return (f"- **On a GPU** (`experiments.gpu_check` on one {r['device']}, torch {r['packages']['torch']}, "
             f"{r['date']}, the tree of commit `{r['tree_commit'][:12]}`; `{r['file']}`): ran: {'; '.join(ran)}"

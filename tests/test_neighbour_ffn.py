@@ -54,8 +54,8 @@ def test_neighbour_ffn_gives_the_gradients_of_the_implementation_it_replaces(spe
 
 
 def test_the_low_rank_factors_accumulate_in_one_fp32_buffer_per_matrix_allocated_once():
-    """Under bf16 autocast the factor buffers are fp32, the same storage from one step to the next (zeroed after each
-    finish()), one per FFN matrix."""
+    """Under bf16 autocast the factor buffers (the carriers' .grad) are fp32, the same storage from one micro-batch and
+    one step to the next (zeroed after each finish()), one per FFN matrix."""
     from mecefo.model import Block, ModelConfig
 
     torch.manual_seed(0)
@@ -73,8 +73,9 @@ def test_the_low_rank_factors_accumulate_in_one_fp32_buffer_per_matrix_allocated
         ptrs = sorted(f.data_ptr() for f in factors.values())
         assert storage in (None, ptrs)
         storage = ptrs
+        del factors  # (a buffer still referenced elsewhere is not accumulated into in place, but replaced)
         lowrank.finish()
-        assert not lowrank.pending and all(not f.any() for f in lowrank._factors.values())
+        assert not lowrank.pending and all(not c.grad.any() for c in lowrank._carriers.values())
 
 
 def test_the_fsdp_hand_off_of_the_low_rank_factors_applies_each_once():
@@ -98,6 +99,6 @@ def test_the_fsdp_hand_off_of_the_low_rank_factors_applies_each_once():
     plan = StepPlan(step=1, failed=frozenset({1}), neighbours={1: 0}, pieces={0: (Piece(1, 0, 0, 2, 2, MECEFO),)})
     add_low_rank_rows(model, lowrank, plan, 0, 2, lambda flat: reduced.append(flat.clone()))
     assert torch.equal(reduced[0], expected)
-    assert not lowrank.pending and all(not f.any() for f in lowrank._factors.values())
+    assert not lowrank.pending and all(not c.grad.any() for c in lowrank._carriers.values())
     with pytest.raises(TypeError):
         lowrank.pending[model] = expected  # read-only: a caller cannot pop a factor and leave its buffer behind

@@ -255,6 +255,8 @@ def test_gpu_check_runs_on_the_cpu_and_skips_cleanly_without_cuda(tmp_path, monk
     assert result["ok"] and set(result["policies"]) == set(trainer_policies())
     assert all(p["steps_with_failures"] > 0 for p in result["policies"].values())
     assert result["torchrun"]["fsdp"]["final_val_loss"] == pytest.approx(result["torchrun"]["none"]["final_val_loss"], rel=1e-5)
+    assert [t["compiled"] for t in result["throughput"]] == [False, True]  # eager and --compile, each timed
+    assert all(t["tokens_per_s"] > 0 and t["neighbour_over_normal_flops"] > 1 for t in result["throughput"])
     ft = result["torchft"]["run"]  # two replicas (the CPU has "two devices"), rank 1 killed and healed
     assert ft["exit"] == 0 and ft["ranks"] == 2 and ft["kills"] == 1 and ft["identical"] and ft["timing"]["quorum_s"] > 0
     if not torch.cuda.is_available():

@@ -75,6 +75,7 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16
     loss_rows: int = -1  # the loss in chunks of this many rows (mecefo.loss); 0: the whole logits; -1: auto (below)
+    compile: bool = False  # torch.compile every block (mecefo.model.compile_blocks), neighbour passes included
 
     def resolved_loss_rows(self) -> int:
         """-1 (auto): 4096-row chunks on CUDA (no fp32 logits of the whole vocabulary), the whole logits on a CPU (whose
@@ -130,6 +131,8 @@ class Config:
             getattr(self, section.name).validate()
         if self.model.hf_config and self.train.loss_rows > 0:
             raise UsageError("train.loss_rows applies to our GPT; a model.hf_config model takes its whole logits")
+        if self.model.hf_config and self.train.compile:
+            raise UsageError("train.compile applies to our GPT's blocks; a model.hf_config model runs eager")
         if self.model.hf_config and self.cluster.shard != "none":
             raise UsageError("model.hf_config trains with cluster.shard='none' (FSDP2 sharding is built for our GPT)")
         if self.model.hf_config:
@@ -170,7 +173,7 @@ class Config:
 
 
 HASH_NEUTRAL_DEFAULTS = {("cluster", "failure_free_steps"): 0, ("model", "hf_config"): "", ("train", "loss_rows"): 0,
-                         ("cluster", "neighbour_pass"): "sequential"}
+                         ("cluster", "neighbour_pass"): "sequential", ("train", "compile"): False}
 
 
 RENAMED = {"low_rank": "r"}  # old key -> new key, refused with a message naming the new one

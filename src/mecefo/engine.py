@@ -84,12 +84,13 @@ class StepEngine:
 
     # ------------------------------------------------------------------ the model
     @classmethod
-    def build_model(cls, model_cfg, device: torch.device, seed: int) -> torch.nn.Module:
-        """The seeded model (the same initial weights in every process)."""
-        from .model import GPT
+    def build_model(cls, model_cfg, device: torch.device, seed: int, compile: bool = False) -> torch.nn.Module:
+        """The seeded model (the same initial weights in every process), its blocks compiled if asked (compile_blocks)."""
+        from .model import GPT, compile_blocks
 
         torch.manual_seed(seed)
-        return GPT(model_cfg).to(device)
+        model = GPT(model_cfg).to(device)
+        return compile_blocks(model) if compile else model
 
     @classmethod
     def rows_per_pass(cls, cfg) -> int:
@@ -443,8 +444,8 @@ class Sharded(StepEngine):
     heal_skips = ("model", "optimizer")  # gathering them is a collective: a heal sends this process's shards
 
     @classmethod
-    def build_model(cls, model_cfg, device: torch.device, seed: int) -> torch.nn.Module:
-        return sharded_model(model_cfg, device, seed)  # before the optimizer, which must see the shards
+    def build_model(cls, model_cfg, device: torch.device, seed: int, compile: bool = False) -> torch.nn.Module:
+        return sharded_model(model_cfg, device, seed, compile)  # before the optimizer, which must see the shards
 
     def shares(self, plan: StepPlan) -> list[tuple[list[Piece], float]]:
         """This process's passes (self.passes): (pieces, weight), weight 0 for a filler pass."""
@@ -641,18 +642,21 @@ def _map_tensors(tree, fn):
     return tree
 
 
-def sharded_model(cfg, device: torch.device, seed: int) -> torch.nn.Module:
+def sharded_model(cfg, device: torch.device, seed: int, compile: bool = False) -> torch.nn.Module:
     """A GPT sharded by FSDP2 whose whole is never built on any rank but 0: rank 0 initialises it (seeded,
-    on the CPU, as the unsharded backends do) and broadcasts it into the others' shards."""
+    on the CPU, as the unsharded backends do) and broadcasts it into the others' shards; its blocks compiled before
+    they are sharded, if asked (compile_blocks)."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    from .model import GPT
+    from .model import GPT, compile_blocks
 
     torch.manual_seed(seed)
     whole = GPT(cfg).state_dict() if dist.get_rank() == 0 else {}
     with torch.device("meta"):
         model = GPT(cfg)
+    if compile:
+        compile_blocks(model)
     shard_model(model, device)
     model.to_empty(device=device)
     model.reset_buffers()

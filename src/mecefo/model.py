@@ -222,6 +222,18 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+COMPILE_BACKEND = "inductor"  # torch.compile's backend for compile_blocks (tests trace with "aot_eager": no codegen)
+
+
+def compile_blocks(model: GPT) -> GPT:
+    """torch.compile every block in place (each block's call: one graph per block shape, the blocks sharing it; a
+    neighbour's Functions trace, mecefo.neighbour), as torchtitan compiles its transformer blocks: before FSDP2 wraps
+    them. The parameters' names are unchanged (checkpoints of compiled and eager runs are interchangeable)."""
+    for block in model.layers:
+        block.compile(backend=COMPILE_BACKEND)
+    return model
+
+
 GROUP_KINDS = ("attention", "ffn", "embedding", "head", "norm")
 FFN_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 

@@ -15,8 +15,10 @@ model and no copied weights:
   is the exact one projected on span(V1):
         G_W ~= G_y^T (x V1) V1^T  =  (G_y^T x) V1 V1^T,
   costing 2bnr (forward) + 2bmr (backward) + 2rmn instead of 2bmn. The r-column factor G_y^T (x V1) (m x r)
-  is computed in the compute dtype and accumulated in fp32, in place, into one buffer per matrix (allocated at
-  its first use) over the micro-batches of a step, and multiplied by V1^T once, in `finish()`.
+  is computed in the compute dtype with an fp32 (or wider) result, handed back by the Function as the gradient of
+  the matrix's *factor carrier* (a zero-stride leaf, one per matrix), so that autograd accumulates it in place over
+  the micro-batches of a step into the carrier's .grad, one buffer per matrix allocated with V1, and multiplied by
+  V1^T once, in `finish()`. No Python state changes inside a forward or backward: torch.compile traces them.
 Under recompute_ffn and/or low_rank_wgrad the FFN sublayer is one autograd Function (`NeighbourFFN`): the
 forward keeps the sublayer's input and, under low_rank_wgrad, the three products x V1; the backward recomputes
 only what it needs (gate and up, or nothing when they were kept), so the techniques cost their FLOPs
@@ -117,6 +119,9 @@ def exact_right_basis(w: torch.Tensor, r: int) -> torch.Tensor:
     return torch.linalg.svd(w, full_matrices=r > min(w.shape))[2][:r].T
 
 
+_OPERANDS = "_mecefo_low_rank"  # a matrix's (V1, factor carrier), as a module attribute (LowRankWgrad._store)
+
+
 class LowRankWgrad:
     """Per-matrix subspace cache and pending r-column gradient factors, keyed by the FFN linear module.
 
@@ -144,7 +149,7 @@ class LowRankWgrad:
         self.oversample, self.niter, self.exact_limit, self.seed = oversample, niter, exact_limit, seed
         self.steps = 0
         self._basis: dict[torch.nn.Module, tuple[torch.Tensor, int]] = {}
-        self._factors: dict[torch.nn.Module, torch.Tensor] = {}  # per matrix: its m x r buffer, allocated once
+        self._carriers: dict[torch.nn.Module, torch.Tensor] = {}  # per matrix: the leaf whose .grad is its factor
         self._used: dict[torch.nn.Module, None] = {}  # the matrices with a factor this step (ordered)
         self._names: dict[torch.nn.Module, str] = {}
         self.svd_count = 0
@@ -186,9 +191,32 @@ class LowRankWgrad:
         else:
             v1 = randomized_right_basis(w, r, self.oversample_columns(r), self.niter, self.generator(linear, w.device))
         v1 = v1.contiguous()
-        self._basis[linear] = (v1, self.steps // self.tau)
+        self._store(linear, v1, self.steps // self.tau)
         self.svd_count += 1
         return v1
+
+    def _store(self, linear: torch.nn.Module, v1: torch.Tensor, epoch: int) -> None:
+        """V1 of this matrix for this tau-epoch, and the matrix's factor carrier: a zero-stride m x r leaf of V1's
+        dtype and device (no memory of its own) whose .grad, zeros of that shape allocated here once, autograd
+        accumulates the factors into (in place); each accumulation marks the matrix as pending (a hook: autograd runs
+        it outside any compiled graph, so no Python state is read or written inside one)."""
+        self._basis[linear] = (v1, epoch)
+        shape = (linear.weight.shape[0], v1.shape[1])
+        c = self._carriers.get(linear)
+        if c is None or c.shape != shape or c.dtype != v1.dtype or c.device != v1.device:
+            c = torch.zeros((), dtype=v1.dtype, device=v1.device).expand(shape).requires_grad_()
+            c.grad = torch.zeros(shape, dtype=v1.dtype, device=v1.device)
+            c.register_post_accumulate_grad_hook(lambda _, m=linear: self._used.__setitem__(m, None))
+            self._carriers[linear] = c
+        linear.__dict__[_OPERANDS] = (v1, c)  # (what a compiled graph reads: an attribute, not a dict keyed by modules)
+
+    def operands(self, linear: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """(V1, factor carrier) of this matrix for a Function that runs it under low_rank_wgrad. Eager, V1 is computed
+        here when stale (basis()); under torch.compile it is the one the step's prepare() computed (no staleness test:
+        reading the step count would recompile every step)."""
+        if torch.compiler.is_compiling():
+            return linear.__dict__[_OPERANDS]
+        return self.basis(linear), self._carriers[linear]
 
     def stale(self, linears) -> list[torch.nn.Module]:
         """Those of the matrices whose V1 is missing or from an earlier tau-epoch (basis() would compute them)."""
@@ -203,7 +231,7 @@ class LowRankWgrad:
 
     def install(self, linear: torch.nn.Module, v1: torch.Tensor) -> None:
         """Take V1 of this matrix for the current tau-epoch as computed elsewhere (by another rank)."""
-        self._basis[linear] = (v1, self.steps // self.tau)
+        self._store(linear, v1, self.steps // self.tau)
 
     def prepare(self, model: torch.nn.Module, ffn: bool = True, head: bool = False) -> None:
         """Compute now every V1 a step will use (the FFN matrices, and the LM head under low_rank_head), so
@@ -226,34 +254,18 @@ class LowRankWgrad:
         self._basis = {}
         for name, (v, e) in state["bases"].items():
             m = modules[name]
-            self._basis[m] = (v.to(next(m.parameters()).device), e)
-
-    def accumulate(self, linear: torch.nn.Module, grad_y: torch.Tensor, xv: torch.Tensor) -> None:
-        """factor(linear) += G_y^T (x V1) (m x r), G_y (N x m) and x V1 (N x r) in the compute dtype, the sum in fp32 at
-        least, in place in the matrix's buffer (fp32 inputs: one addmm; bf16 on CUDA: one GEMM with fp32 output, no
-        fp32 copy of G_y)."""
-        acc = torch.promote_types(grad_y.dtype, torch.float32)
-        buf = self._factors.get(linear)
-        if buf is None or buf.dtype != acc or buf.shape != (grad_y.shape[1], xv.shape[1]) or buf.device != grad_y.device:
-            buf = self._factors[linear] = torch.zeros(grad_y.shape[1], xv.shape[1], dtype=acc, device=grad_y.device)
-        self._used[linear] = None
-        if grad_y.dtype == acc:  # (addmm with out=: in place, and counted by FlopCounterMode, which addmm_ is not)
-            torch.addmm(buf, grad_y.T, xv.to(acc), out=buf)
-        elif grad_y.is_cuda:
-            buf.add_(torch.ops.aten.mm.dtype(grad_y.T, xv, acc))
-        else:  # (a CPU has no low-precision GEMM with fp32 output)
-            torch.addmm(buf, grad_y.T.to(acc), xv.to(acc), out=buf)
+            self._store(m, v.to(next(m.parameters()).device), e)
 
     @property
     def pending(self) -> Mapping[torch.nn.Module, torch.Tensor]:
-        """The factors of this step (linear -> its m x r buffer), in the order they were first added; read-only
-        (the buffers are reused: `clear()` zeroes and forgets them once they were applied)."""
-        return MappingProxyType({m: self._factors[m] for m in self._used})
+        """The factors of this step (linear -> its m x r buffer, its carrier's .grad), in the order they were first
+        accumulated; read-only (the buffers are reused: `clear()` zeroes and forgets them once they were applied)."""
+        return MappingProxyType({m: self._carriers[m].grad for m in self._used})
 
     def clear(self, linears=None) -> None:
         """Zero the factors of these matrices (all: None) and forget them for this step (after they were applied)."""
         for m in list(self._used) if linears is None else [m for m in linears if m in self._used]:
-            self._factors[m].zero_()
+            self._carriers[m].grad.zero_()
             del self._used[m]
 
     def gradient(self, linear: torch.nn.Module, factor: torch.Tensor) -> torch.Tensor:
@@ -287,20 +299,34 @@ def _autocast_off(x: torch.Tensor):
     return torch.autocast(x.device.type, enabled=False) if _autocast_dtype(x) else contextlib.nullcontext()
 
 
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+def low_rank_factor(grad_y: torch.Tensor, xv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """G_y^T (x V1) (m x r) in `dtype` (the carrier's: fp32 or wider), G_y (N x m) and x V1 (N x r) in the compute
+    dtype: one GEMM in that dtype where they are in it; on CUDA one low-precision GEMM with a `dtype` result (no fp32
+    copy of G_y); on a CPU, which has no such GEMM, the inputs cast first."""
+    if grad_y.dtype == dtype:
+        return grad_y.T @ xv.to(dtype)
+    if grad_y.is_cuda:
+        return torch.ops.aten.mm.dtype(grad_y.T, xv.to(grad_y.dtype), dtype)
+    return grad_y.T.to(dtype) @ xv.to(dtype)
+
+
 class _LowRankLinear(torch.autograd.Function):
-    """y = x W^T, saving x V1; backward: G_x = G_y W exact, G_y^T (x V1) queued on the LowRankWgrad.
-    Under autocast the products run in autocast's dtype (as nn.Linear's would) and the factor G_y^T (x V1)
-    is accumulated in fp32; without autocast everything stays in the input's dtype (fp32 or fp64)."""
+    """y = x W^T, saving x V1; backward: G_x = G_y W exact, and G_y^T (x V1) as the factor carrier's gradient.
+    Under autocast the products run in autocast's dtype (as nn.Linear's would); without autocast everything stays
+    in the input's dtype (fp32 or fp64)."""
 
     @staticmethod
-    def forward(ctx, x, weight, v1, linear, lowrank):
-        dtype = _autocast_dtype(x)
-        with torch.autocast(x.device.type, enabled=False) if dtype else contextlib.nullcontext():
-            dtype = dtype or x.dtype
+    def forward(ctx, x, weight, v1, carrier):
+        dtype = _autocast_dtype(x) or x.dtype
+        with _autocast_off(x):
             xc, w = x.to(dtype), weight.to(dtype)
             ctx.save_for_backward(xc @ v1.to(dtype), w)
             y = F.linear(xc, w)
-        ctx.x_dtype, ctx.linear, ctx.lowrank = x.dtype, linear, lowrank
+        ctx.x_dtype, ctx.acc = x.dtype, carrier.dtype
         return y
 
     @staticmethod
@@ -308,8 +334,7 @@ class _LowRankLinear(torch.autograd.Function):
         xv, w = ctx.saved_tensors
         grad_y = grad_y.to(w.dtype)
         grad_x = (grad_y @ w).to(ctx.x_dtype)
-        ctx.lowrank.accumulate(ctx.linear, grad_y.reshape(-1, grad_y.shape[-1]), xv.reshape(-1, xv.shape[-1]))
-        return grad_x, None, None, None, None
+        return grad_x, None, None, low_rank_factor(_flat(grad_y), _flat(xv), ctx.acc)
 
 
 class NeighbourFFN(torch.autograd.Function):
@@ -319,16 +344,17 @@ class NeighbourFFN(torch.autograd.Function):
     forward keeps h and, under low_rank_wgrad, n V1_g, n V1_u, a V1_d (N x r each); without recompute_ffn also g and u.
     backward, G_y given:
         recompute_ffn: g, u from h (4 N D F FLOPs; the down projection is not rerun)
-        G_a = G_y W_d;  G_g, G_u = autograd's own backward of a = act(g) u;  G_n = G_g W_g + G_u W_u
-        weight gradients: exact (G_y^T a, G_g^T n, G_u^T n) or, under low_rank_wgrad, G^T (x V1) accumulated in the
-        LowRankWgrad's fp32 buffers (applied by finish());  G_h and the norm's weight through the norm's own backward.
+        G_a = G_y W_d;  G_g, G_u = the vector-Jacobian product of a = act(g) u;  G_n = G_g W_g + G_u W_u
+        weight gradients: exact (G_y^T a, G_g^T n, G_u^T n) or, under low_rank_wgrad, G^T (x V1) as the gradients of
+        the three factor carriers (autograd accumulates them; finish() applies them);  G_h and the norm's weight
+        through the norm's own vector-Jacobian product.
     Under autocast the products run in autocast's dtype, as nn.Linear's would (the weights cast again in backward,
-    never saved); without it in the input's dtype. The elementwise parts reuse the modules' own code (norm, act), so
-    that the numerics are the plain model's."""
+    the copies never saved); without it in the input's dtype. The elementwise parts reuse the modules' own code (norm,
+    act; their backward by torch.func.vjp, which torch.compile traces), so that the numerics are the plain model's."""
 
     @staticmethod
-    def forward(ctx, h, norm_weight, w_gate, w_up, w_down, parts):
-        eps, act, linears, lowrank, recompute = parts
+    def forward(ctx, h, norm_weight, w_gate, w_up, w_down, c_gate, c_up, c_down, v_gate, v_up, v_down, parts):
+        eps, act, recompute = parts
         dtype = _autocast_dtype(h) or h.dtype
         with _autocast_off(h):
             n = rms_norm(h, norm_weight, eps) if norm_weight is not None else h
@@ -336,53 +362,46 @@ class NeighbourFFN(torch.autograd.Function):
             g, u = F.linear(nc, w_gate.to(dtype)), F.linear(nc, w_up.to(dtype))
             a = act(g) * u
             y = F.linear(a, w_down.to(dtype))
-            saved = [h, norm_weight] + ([] if recompute else [g, u])
-            if lowrank is not None:
-                v = [lowrank.basis(m).to(dtype) for m in linears]
-                saved += [nc @ v[0], nc @ v[1], a @ v[2]]
+            saved = [h, norm_weight, w_gate, w_up, w_down] + ([] if recompute else [g, u])
+            if c_gate is not None:
+                saved += [nc @ v_gate.to(dtype), nc @ v_up.to(dtype), a @ v_down.to(dtype)]
         ctx.save_for_backward(*saved)
         ctx.parts, ctx.dtype, ctx.n_dtype = parts, dtype, n.dtype
+        ctx.acc = c_gate.dtype if c_gate is not None else None
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        eps, act, linears, lowrank, recompute = ctx.parts
+        eps, act, recompute = ctx.parts
         saved, dtype = ctx.saved_tensors, ctx.dtype
         h, norm_weight = saved[0], saved[1]
-        w_gate, w_up, w_down = (m.weight.to(dtype) for m in linears)
+        w_gate, w_up, w_down = (w.to(dtype) for w in saved[2:5])
         with _autocast_off(h):
-            with torch.enable_grad():  # (fresh leaves: the grads come back through this Function's outputs)
-                h_ = h.detach().requires_grad_()
-                w_ = norm_weight.detach().requires_grad_() if norm_weight is not None else None
-                n = rms_norm(h_, w_, eps) if w_ is not None else h_
-            nc = n.detach().to(dtype)
+            if norm_weight is not None:
+                n, norm_vjp = torch.func.vjp(lambda h, w: rms_norm(h, w, eps), h, norm_weight)
+            else:
+                n, norm_vjp = h, None
+            nc = n.to(dtype)
             if recompute:  # gate and up again; the down projection is not needed
                 g, u = F.linear(nc, w_gate), F.linear(nc, w_up)
             else:
-                g, u = saved[2], saved[3]
-            with torch.enable_grad():
-                g_, u_ = g.detach().requires_grad_(), u.detach().requires_grad_()
-                a = act(g_) * u_
+                g, u = saved[5], saved[6]
+            a, act_vjp = torch.func.vjp(lambda g, u: act(g) * u, g, u)
             grad_y = grad_y.to(dtype)
             grad_a = (grad_y @ w_down).to(a.dtype)
-            grad_g, grad_u = torch.autograd.grad(a, (g_, u_), grad_a)
+            grad_g, grad_u = act_vjp(grad_a)
             grad_n = ((grad_g @ w_gate).to(ctx.n_dtype) + (grad_u @ w_up).to(ctx.n_dtype))
-            flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
-            grads = [None, None, None]
-            if lowrank is not None:
+            grads, factors = [None, None, None], [None, None, None]
+            if ctx.acc is not None:
                 xv_g, xv_u, xv_d = saved[-3:]
-                lowrank.accumulate(linears[2], flat(grad_y), flat(xv_d))
-                lowrank.accumulate(linears[1], flat(grad_u), flat(xv_u))
-                lowrank.accumulate(linears[0], flat(grad_g), flat(xv_g))
+                factors = [low_rank_factor(_flat(grad_g), _flat(xv_g), ctx.acc),
+                           low_rank_factor(_flat(grad_u), _flat(xv_u), ctx.acc),
+                           low_rank_factor(_flat(grad_y), _flat(xv_d), ctx.acc)]
             else:  # exact: the plain model's weight gradients
-                grads = [(flat(grad_g).T @ flat(nc)).to(w_gate.dtype), (flat(grad_u).T @ flat(nc)).to(w_up.dtype),
-                         (flat(grad_y).T @ flat(a.detach())).to(w_down.dtype)]
-                grads = [gr.to(m.weight.dtype) for gr, m in zip(grads, linears)]
-            if w_ is not None:
-                grad_h, grad_norm = torch.autograd.grad(n, (h_, w_), grad_n)
-            else:
-                grad_h, grad_norm = grad_n, None
-        return grad_h, grad_norm, *grads, None
+                grads = [_flat(grad_g).T @ _flat(nc), _flat(grad_u).T @ _flat(nc), _flat(grad_y).T @ _flat(a)]
+                grads = [gr.to(w.dtype) for gr, w in zip(grads, saved[2:5])]
+            grad_h, grad_norm = norm_vjp(grad_n) if norm_vjp is not None else (grad_n, None)
+        return grad_h, grad_norm, *grads, *factors, None, None, None, None
 
 
 def neighbour_ffn(h: torch.Tensor, norm, linears: list[torch.nn.Linear], act, lowrank, recompute: bool) -> torch.Tensor:
@@ -390,12 +409,15 @@ def neighbour_ffn(h: torch.Tensor, norm, linears: list[torch.nn.Linear], act, lo
     LowRankWgrad under low_rank_wgrad, else None (exact weight gradients)."""
     gate, up, down = linears
     act = getattr(act, "forward", act)  # (a module's own forward: no module hooks run inside the backward)
+    carriers, bases = [None] * 3, [None] * 3
+    if lowrank is not None:
+        bases, carriers = zip(*(lowrank.operands(m) for m in linears))
     return NeighbourFFN.apply(h, norm.weight if norm is not None else None, gate.weight, up.weight, down.weight,
-                              (norm.eps if norm is not None else None, act, tuple(linears), lowrank, recompute))
+                              *carriers, *bases, (norm.eps if norm is not None else None, act, recompute))
 
 
 def low_rank_linear(linear: torch.nn.Linear, x: torch.Tensor, lowrank: LowRankWgrad) -> torch.Tensor:
-    return _LowRankLinear.apply(x, linear.weight, lowrank.basis(linear), linear, lowrank)
+    return _LowRankLinear.apply(x, linear.weight, *lowrank.operands(linear))
 
 
 class Neighbour:

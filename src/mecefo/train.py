@@ -187,7 +187,7 @@ class Run:
             torch.manual_seed(tc.seed)
             self.model = HFCausalLM(read_config(cfg.model.hf_config)).to(device)
         else:
-            self.model = engine.build_model(self.model_cfg, device, tc.seed)
+            self.model = engine.build_model(self.model_cfg, device, tc.seed, compile=tc.compile)
             self.model.loss_rows = tc.resolved_loss_rows()
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.schedule = failures.for_run(cfg)
