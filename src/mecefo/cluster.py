@@ -43,7 +43,7 @@ class ClusterConfig:
     r: float = 0.125  # low-rank width of low_rank_wgrad (>= 1 absolute, < 1 a fraction of min(m, n))
     low_rank_tau: int = 50  # optimizer steps between SVD refreshes of V1
     low_rank_svd: str = "auto"  # exact | randomized | auto (randomized when min(m, n) > 1024)
-    low_rank_refresh: str = "shared"  # shared (torch backend: each rank 1/n of the SVDs, then broadcast) | local (each all)
+    low_rank_refresh: str = "shared"  # shared (torch ranks, FSDP2 shard groups: each 1/n of the SVDs, then broadcast) | local
     neighbour_pass: str = "sequential"  # sequential (each micro-batch its own pass) | fused (a neighbour's own + failed as one)
     failure_seed: int = -1  # seed of the failure process (-1: the training seed)
     track_grad_error: bool = False  # also compute the failure-free gradient and log Assumption 3's relative error

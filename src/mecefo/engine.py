@@ -349,30 +349,10 @@ class TorchReplicated(Replicated):
             return super().prepare(plan, computing=self.rank not in plan.failed)
         ffn, head = plan.uses("low_rank_wgrad"), plan.uses("low_rank_head")
         alive = sorted(set(range(self.n_ranks)) - plan.failed)
-        if not (ffn or head) or not alive:
-            return
-        with self.clock("refresh"):
-            linears = self.lowrank.matrices(self.model, ffn, head)
-            stale = set(self.lowrank.stale(linears))
-            flags = torch.tensor([m in stale for m in linears], dtype=torch.uint8, device=self.device)
-            self.dist.broadcast(flags, alive[0])
-            owners = [(m, alive[i % len(alive)]) for i, m in enumerate(m for m, f in zip(linears, flags.tolist()) if f)]
-            error = None
-            try:  # every share first, then the broadcasts (one in between would serialise them)
-                for m, owner in owners:
-                    if owner == self.rank:
-                        self.lowrank.basis(m)
-            except Exception as exc:  # noqa: BLE001 (raised below on every rank, not left to a collective's timeout)
-                error = exc
-            failed = torch.tensor([error is not None], dtype=torch.uint8, device=self.device)
-            self.dist.all_reduce(failed, op=self.dist.ReduceOp.MAX)
-            if failed.item():
-                raise error or RuntimeError("the V1 refresh failed on another rank (its log names the error)")
-            for m, owner in owners:
-                v1 = self.lowrank.basis(m) if self.rank == owner else self.lowrank.empty_basis(m)
-                self.dist.broadcast(v1, owner)
-                if self.rank != owner:
-                    self.lowrank.install(m, v1)
+        if (ffn or head) and alive:
+            with self.clock("refresh"):
+                shared_refresh(self.lowrank, self.lowrank.matrices(self.model, ffn, head), self.rank, alive, self.dist,
+                               self.device)
 
     def updates(self, plan: StepPlan) -> bool:
         return not plan.skipped and self.rank not in plan.failed
@@ -446,6 +426,22 @@ class Sharded(StepEngine):
     @classmethod
     def build_model(cls, model_cfg, device: torch.device, seed: int, compile: bool = False) -> torch.nn.Module:
         return sharded_model(model_cfg, device, seed, compile)  # before the optimizer, which must see the shards
+
+    def prepare(self, plan: StepPlan, computing: bool = True) -> None:
+        """V1 refreshed at the step StepEngine.prepare names, its SVDs shared (low_rank_refresh 'shared') among the
+        processes sharing the shards (every rank on the torch backend, a failed one included: it keeps its shard; one
+        replica group's processes on torchft): each gathers the whole of every stale matrix of a round (FSDP2's
+        all-gather, a collective), keeps its own, computes its SVD and broadcasts it (shared_refresh). 'local': every
+        process computes every V1 (as StepEngine)."""
+        ffn, head = plan.uses("low_rank_wgrad"), plan.uses("low_rank_head")
+        if self.low_rank_refresh != "shared" or not (ffn or head):
+            return super().prepare(plan)
+        import torch.distributed as dist
+
+        j, k = self.shard_group
+        with self.clock("refresh"):
+            shared_refresh(self.lowrank, self.lowrank.matrices(self.model, ffn, head), j, list(range(k)), dist,
+                           self.device, gathered=True)
 
     def shares(self, plan: StepPlan) -> list[tuple[list[Piece], float]]:
         """This process's passes (self.passes): (pieces, weight), weight 0 for a filler pass."""
@@ -575,6 +571,46 @@ class Sharded(StepEngine):
                     entry[k] = DTensor.from_local(v.to(self.device), p.device_mesh, p.placements, run_check=False,
                                                   shape=p.shape, stride=p.stride())
         self.optimizer.load_state_dict(optimizer)
+
+
+def shared_refresh(lowrank: LowRankWgrad, linears, rank: int, members: list[int], dist, device,
+                   gathered: bool = False) -> None:
+    """V1 of the stale matrices among `linears` (stale as members[0] sees them: every member whose state is current
+    holds the same subspaces), computed once and shared: the i-th stale matrix goes to member i mod m of the m members,
+    each computes its own and broadcasts it, so that a refresh costs each member 1/m of the SVDs and every member ends
+    with the same V1 whatever its CPU or GPU. Every share is computed before any broadcast (one in between would
+    serialise them). gathered (FSDP2 shards): the whole matrices are gathered first, a collective of every member for
+    every matrix, in rounds of m matrices (one whole matrix kept per member and round). Every process of `dist` calls
+    this, members or not (the broadcasts are collectives); an SVD that fails on one member raises on all."""
+    stale = set(lowrank.stale(linears))
+    flags = torch.tensor([m in stale for m in linears], dtype=torch.uint8, device=device)
+    dist.broadcast(flags, members[0])
+    todo = [m for m, f in zip(linears, flags.tolist()) if f]
+    owner = {m: members[i % len(members)] for i, m in enumerate(todo)}
+    size = len(members) if gathered else max(len(todo), 1)
+    for start in range(0, len(todo), size):
+        batch = todo[start:start + size]
+        wholes = {}
+        for m in batch:  # (the gathers before any SVD: an error below leaves no member inside a gather)
+            w = m.weight.detach().full_tensor() if gathered else None
+            if owner[m] == rank:
+                wholes[m] = w
+        error = None
+        try:
+            for m, w in wholes.items():
+                lowrank.basis(m, w)
+        except Exception as exc:  # noqa: BLE001 (raised below on every member, not left to a collective's timeout)
+            error = exc
+        wholes.clear()
+        failed = torch.tensor([error is not None], dtype=torch.uint8, device=device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if failed.item():
+            raise error or RuntimeError("the V1 refresh failed on another process (its log names the error)")
+        for m in batch:
+            v1 = lowrank.basis(m) if owner[m] == rank else lowrank.empty_basis(m)
+            dist.broadcast(v1, owner[m])
+            if owner[m] != rank:
+                lowrank.install(m, v1)
 
 
 def row_share(piece: Piece, j: int, k: int) -> Piece | None:

@@ -175,12 +175,13 @@ class LowRankWgrad:
         return torch.Generator(device=device).manual_seed(zlib.crc32(key.encode()))
 
     @torch.no_grad()
-    def basis(self, linear: torch.nn.Module) -> torch.Tensor:
-        """V1 (n x r): the top-r right singular vectors of linear.weight (m x n), in fp32 or fp64."""
+    def basis(self, linear: torch.nn.Module, whole: torch.Tensor | None = None) -> torch.Tensor:
+        """V1 (n x r): the top-r right singular vectors of linear.weight (m x n), in fp32 or fp64; whole: the weight
+        already gathered (an FSDP2 shard's whole matrix), else it is read (and gathered: a collective) here."""
         cached = self._basis.get(linear)
         if cached is not None and cached[1] == self.steps // self.tau:
             return cached[0]
-        w = linear.weight.detach()
+        w = whole if whole is not None else linear.weight.detach()
         if hasattr(w, "full_tensor"):  # an FSDP2 shard (DTensor): gather the whole matrix
             w = w.full_tensor()
         w = w.to(basis_dtype(w.dtype))
