@@ -59,9 +59,9 @@ def time_readings(path=BENCH) -> dict:
 
 
 def timed(job: Job, reading: dict) -> Job:
-    """The job with the neighbour's step time scaled from its FLOPs by the measured quotient (Job.neighbour_alpha):
-    the reading of Table 2 whose c is the neighbour's measured time, not its FLOP count."""
-    return replace(job, neighbour_alpha=CostModel(job).alpha(1) * reading["time_over_flop"])
+    """The job with the neighbour's micro-batch and apply times scaled from their FLOPs by the measured quotient
+    (Job.neighbour_time_scale): the reading of Table 2 whose c is the neighbour's measured time, not its FLOP count."""
+    return replace(job, neighbour_time_scale=reading["time_over_flop"])
 
 
 def drops(job: Job, policy: str, seeds: int, horizon_s: float = HORIZON_S, start: str = "stationary",
@@ -133,10 +133,10 @@ def table2(seeds: int, trace_dir, readings: dict | None = None) -> tuple[dict, d
         rows[name] = {"job": asdict(job), "cost": {"alpha_1": cost.alpha(1), "c": cost.relative_cost,
                                                    "step_s": sum(cost.base.values())}}
         if name in (readings or {}):
-            q = readings[name]
-            fitted[TIMED] = ("mecefo", {"neighbour_alpha": timed(job, q).neighbour_alpha})
-            rows[name]["cost"] |= {"c_time": cost.relative_cost * q["time_over_flop"], "time_over_flop": q["time_over_flop"],
-                                   "alpha_1_time": timed(job, q).neighbour_alpha, "measured_by": q["git_commit"]}
+            q, slow = readings[name], CostModel(timed(job, readings[name]))
+            fitted[TIMED] = ("mecefo", {"neighbour_time_scale": q["time_over_flop"]})
+            rows[name]["cost"] |= {"c_time": slow.relative_cost, "time_over_flop": q["time_over_flop"],
+                                   "alpha_1_time": slow.alpha(1), "measured_by": q["git_commit"]}
         for level in ("none", "low", "mid", "high"):
             rows[name][level] = run_cell(job, SCENARIOS[level], 1 if level == "none" else seeds, trace_dir=trace_dir,
                                          variants=fitted)

@@ -154,7 +154,7 @@ class Config:
         excluded; fields added after results existed are left out at their default, so those results keep their
         identity)."""
         d = self.to_dict()
-        for k in ("log_every", "device", "keep_checkpoints"):  # (how a run is kept, not what it computes)
+        for k in ("log_every", "device", "keep_checkpoints", "compile"):  # (how a run is kept or run, not what it computes)
             d["train"].pop(k)
         d["cluster"].pop("low_rank_refresh")  # (which rank computes a V1, not what it is)
         if self.cluster.backend == "local":  # (it runs every rank's micro-batch m in one pass whatever neighbour_pass says)
@@ -173,7 +173,7 @@ class Config:
 
 
 HASH_NEUTRAL_DEFAULTS = {("cluster", "failure_free_steps"): 0, ("model", "hf_config"): "", ("train", "loss_rows"): 0,
-                         ("cluster", "neighbour_pass"): "sequential", ("train", "compile"): False}
+                         ("cluster", "neighbour_pass"): "sequential"}
 
 
 RENAMED = {"low_rank": "r"}  # old key -> new key, refused with a message naming the new one

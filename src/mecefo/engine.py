@@ -171,7 +171,7 @@ class StepEngine:
     def passes(self, pieces) -> list[list[Piece]]:
         """This process's forward and backward passes over its pieces: each piece alone (neighbour_pass 'sequential'),
         or those of one micro-batch index and technique set together ('fused': a neighbour's own and failed
-        micro-batch m in one pass of twice the rows; mecefo.plan.fuse)."""
+        micro-batches m in one pass, k + 1 times the rows when it covers k ranks; mecefo.plan.fuse)."""
         return fuse(pieces) if self.neighbour_pass == "fused" else [[p] for p in pieces]
 
     def run_pieces(self, pieces) -> tuple[torch.Tensor, float]:

@@ -228,7 +228,8 @@ COMPILE_BACKEND = "inductor"  # torch.compile's backend for compile_blocks (test
 def compile_blocks(model: GPT) -> GPT:
     """torch.compile every block in place (each block's call: one graph per block shape, the blocks sharing it; a
     neighbour's Functions trace, mecefo.neighbour), as torchtitan compiles its transformer blocks: before FSDP2 wraps
-    them. The parameters' names are unchanged (checkpoints of compiled and eager runs are interchangeable)."""
+    them. The parameters' names are unchanged and the config hash leaves `train.compile` out, so a run started eager
+    resumes compiled and the other way round."""
     for block in model.layers:
         block.compile(backend=COMPILE_BACKEND)
     return model

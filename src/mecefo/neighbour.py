@@ -119,7 +119,7 @@ def exact_right_basis(w: torch.Tensor, r: int) -> torch.Tensor:
     return torch.linalg.svd(w, full_matrices=r > min(w.shape))[2][:r].T
 
 
-_OPERANDS = "_mecefo_low_rank"  # a matrix's (V1, factor carrier), as a module attribute (LowRankWgrad._store)
+_OPERANDS = "_mecefo_low_rank"  # a matrix's (LowRankWgrad, V1, factor carrier), a module attribute (LowRankWgrad._store)
 
 
 class LowRankWgrad:
@@ -160,6 +160,10 @@ class LowRankWgrad:
         return self
 
     def refresh(self) -> None:
+        """Forget every V1 (the next basis() or prepare() computes them again)."""
+        for m in self._basis:
+            if m.__dict__.get(_OPERANDS, (None,))[0] is self:
+                del m.__dict__[_OPERANDS]
         self._basis.clear()
 
     def oversample_columns(self, r: int) -> int:
@@ -209,14 +213,18 @@ class LowRankWgrad:
             c.grad = torch.zeros(shape, dtype=v1.dtype, device=v1.device)
             c.register_post_accumulate_grad_hook(lambda _, m=linear: self._used.__setitem__(m, None))
             self._carriers[linear] = c
-        linear.__dict__[_OPERANDS] = (v1, c)  # (what a compiled graph reads: an attribute, not a dict keyed by modules)
+        linear.__dict__[_OPERANDS] = (self, v1, c)  # (what a compiled graph reads: an attribute, not a dict keyed by modules)
 
     def operands(self, linear: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """(V1, factor carrier) of this matrix for a Function that runs it under low_rank_wgrad. Eager, V1 is computed
         here when stale (basis()); under torch.compile it is the one the step's prepare() computed (no staleness test:
         reading the step count would recompile every step)."""
         if torch.compiler.is_compiling():
-            return linear.__dict__[_OPERANDS]
+            owner, v1, carrier = linear.__dict__.get(_OPERANDS, (None, None, None))
+            if owner is not self:
+                raise RuntimeError(f"{self._names.get(linear, linear)}: no V1 of this LowRankWgrad for a compiled pass "
+                                   "(call prepare() before the step; a matrix runs under one LowRankWgrad at a time)")
+            return v1, carrier
         return self.basis(linear), self._carriers[linear]
 
     def stale(self, linears) -> list[torch.nn.Module]:

@@ -98,6 +98,7 @@ class Job:
     # hypotheses about the paper's setting (neutral defaults)
     neighbour_slack: float = 0.0  # H2: share of a neighbour's extra time hidden in idle time
     neighbour_alpha: float | None = None  # H3: a neighbour's step time / a normal GPU's (None: exact FLOPs)
+    neighbour_time_scale: float = 1.0  # a neighbour's micro-batch and apply times / their FLOP times (a measured reading)
     failure_unit: int = 1  # H4: GPUs that fail together (8: a node); the failed fraction is kept
     spread_width: int = 0  # H5: survivors a failed GPU's work is spread over by spread policies (0: all)
 
@@ -132,7 +133,7 @@ class CostModel:
     job: Job
     flops_normal: int = 0  # one micro-batch through the whole model, forward + backward
     flops_neighbour: int = 0  # the same with MeCeFO's techniques (without the per-step apply)
-    flops_apply: int = 0  # per step: the low-rank factors' V1^T products and one V1 refresh's SVDs / tau
+    flops_apply: float = 0  # per step: the low-rank factors' V1^T products and one V1 refresh's SVDs / tau
     t_mb: float = 0.0
     t_mb_neighbour: float = 0.0
     t_apply: float = 0.0
@@ -149,6 +150,8 @@ class CostModel:
             self.flops_apply += refresh_flops(cfg, j.r) / j.low_rank_tau
         rate = GPUS[j.gpu]["peak_flops"] * j.mfu * j.pp  # layers split evenly over the stages
         self.t_mb, self.t_mb_neighbour, self.t_apply = self.flops_normal / rate, self.flops_neighbour / rate, self.flops_apply / rate
+        self.t_mb_neighbour *= j.neighbour_time_scale
+        self.t_apply *= j.neighbour_time_scale
         grad_bytes = 2 * count_parameters(cfg) / j.pp
         bandwidth = j.nvlink_bytes_s if j.gpus <= j.gpus_per_node else j.ib_bytes_s
         self.allreduce = 2 * (j.dp - 1) / j.dp * grad_bytes / bandwidth if j.dp > 1 else 0.0

@@ -100,12 +100,17 @@ def check_memory(cfg: Config, model_cfg, device: torch.device, rows_per_pass: in
     """Refuse, before anything is allocated, a run whose step cannot fit: mecefo.costs.training_memory of one
     pass of rows_per_pass sequences (the local backend runs every rank's micro-batch i in one pass) against
     the device's memory (a CPU's shared by the processes started on it: torchrun's LOCAL_WORLD_SIZE unless
-    `processes` says), the model split over `shards` processes under FSDP (default: the ranks)."""
+    `processes` says), the model split over `shards` processes under FSDP (default: the ranks). Under
+    cluster.neighbour_pass 'fused' a neighbour's pass holds its own and one failed rank's micro-batch (a neighbour
+    covering k failed ranks holds k + 1: checked for k = 1, the most any neighbour covers while at most half of the
+    ranks are down)."""
     from .costs import training_memory
 
     cc, dc = cfg.cluster, cfg.data
+    fused = cc.neighbour_pass == "fused" and cc.backend != "local"
     need = training_memory(model_cfg, Shape(rows_per_pass, dc.seq_len), shards or cc.ranks, cc.shard,
-                           Techniques.parse(cc.techniques), cc.r)["total"]
+                           Techniques.parse(cc.techniques), cc.r,
+                           neighbour_rows=2 * rows_per_pass if fused else None)["total"]
     if device.type == "cuda":
         have = torch.cuda.get_device_properties(device).total_memory
     else:
