@@ -113,3 +113,17 @@ def test_fused_passes_on_gloo_and_fsdp_end_where_the_local_run_does(tmp_path):
         got = model_params(tmp_path / out)
         for name in local:
             assert torch.allclose(local[name], got[name], atol=1e-5, rtol=1e-4), (out, name)
+
+
+def test_the_memory_check_sizes_a_fused_pass_by_its_rows():
+    """A fused neighbour pass holds its own and the failed micro-batch: its saved tensors are those of 2b rows under the
+    techniques, which with low_rank_wgrad alone outgrow a normal pass of b rows."""
+    from mecefo.costs import Shape, saved_activation_bytes, training_memory
+    from mecefo.model import preset
+    from mecefo.neighbour import Techniques
+
+    cfg, t = preset("tiny"), Techniques.parse("low_rank_wgrad")
+    sequential = training_memory(cfg, Shape(4, 64), techniques=t)
+    fused = training_memory(cfg, Shape(4, 64), techniques=t, neighbour_rows=8)
+    assert fused["activations"] == saved_activation_bytes(cfg, Shape(8, 64), t) > sequential["activations"]
+    assert fused["total"] - fused["activations"] == sequential["total"] - sequential["activations"]
