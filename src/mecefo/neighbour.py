@@ -308,6 +308,18 @@ def _autocast_off(x: torch.Tensor):
     return torch.autocast(x.device.type, enabled=False) if _autocast_dtype(x) else contextlib.nullcontext()
 
 
+def _vjp(f, *primals):
+    """(f(*primals), the function of a cotangent that gives the primals' gradients): torch.func.vjp while torch.compile
+    traces (dynamo traces it, not torch.autograd.grad), else autograd on fresh leaves (the same backward formulas, at a
+    fraction of functorch's host cost per call)."""
+    if torch.compiler.is_compiling():
+        return torch.func.vjp(f, *primals)
+    with torch.enable_grad():
+        leaves = [p.detach().requires_grad_() for p in primals]
+        out = f(*leaves)
+    return out.detach(), lambda cotangent: torch.autograd.grad(out, leaves, cotangent)
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
@@ -359,7 +371,7 @@ class NeighbourFFN(torch.autograd.Function):
         through the norm's own vector-Jacobian product.
     Under autocast the products run in autocast's dtype, as nn.Linear's would (the weights cast again in backward,
     the copies never saved); without it in the input's dtype. The elementwise parts reuse the modules' own code (norm,
-    act; their backward by torch.func.vjp, which torch.compile traces), so that the numerics are the plain model's."""
+    act; their backward through _vjp), so that the numerics are the plain model's."""
 
     @staticmethod
     def forward(ctx, h, norm_weight, w_gate, w_up, w_down, c_gate, c_up, c_down, v_gate, v_up, v_down, parts):
@@ -387,7 +399,7 @@ class NeighbourFFN(torch.autograd.Function):
         w_gate, w_up, w_down = (w.to(dtype) for w in saved[2:5])
         with _autocast_off(h):
             if norm_weight is not None:
-                n, norm_vjp = torch.func.vjp(lambda h, w: rms_norm(h, w, eps), h, norm_weight)
+                n, norm_vjp = _vjp(lambda h, w: rms_norm(h, w, eps), h, norm_weight)
             else:
                 n, norm_vjp = h, None
             nc = n.to(dtype)
@@ -395,7 +407,7 @@ class NeighbourFFN(torch.autograd.Function):
                 g, u = F.linear(nc, w_gate), F.linear(nc, w_up)
             else:
                 g, u = saved[5], saved[6]
-            a, act_vjp = torch.func.vjp(lambda g, u: act(g) * u, g, u)
+            a, act_vjp = _vjp(lambda g, u: act(g) * u, g, u)
             grad_y = grad_y.to(dtype)
             grad_a = (grad_y @ w_down).to(a.dtype)
             grad_g, grad_u = act_vjp(grad_a)
