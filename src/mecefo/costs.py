@@ -204,8 +204,8 @@ def training_memory(cfg: ModelConfig, shape: Shape, ranks: int = 1, shard: str =
         autocast  the bf16 copies of every linear weight that autocast makes in the forward pass and backward
                   keeps: 2 (L (4D^2 + 3DF) + VD), whole-model under FSDP too (they outlive resharding)
         bases     V1 of every FFN matrix (n x r fp32) when a neighbour uses low_rank_wgrad
-        activations  the larger of a normal pass's (shape.rows sequences) and a `techniques` pass's (neighbour_rows
-                  sequences, default shape.rows; a fused neighbour pass holds its own and the failed micro-batch)
+        activations  the larger of a normal pass's (shape.batch sequences) and a `techniques` pass's (neighbour_rows
+                  sequences, default shape.batch; a fused neighbour pass holds its own and the failed micro-batch)
                   saved tensors, counted in fp32 (an upper bound under autocast, where the residual stream stays fp32
                   anyway): passes run one after another, so one is live at a time
     P = mecefo.model.count_parameters(cfg). Not included: CUDA context, allocator fragmentation, and the
@@ -222,7 +222,7 @@ def training_memory(cfg: ModelConfig, shape: Shape, ranks: int = 1, shard: str =
     out["bases"] = 0
     if techniques.low_rank_wgrad:
         out["bases"] = cfg.n_layers * sum(4 * n * w for _, n, w in ffn_matrices(cfg, r))
-    neighbour = Shape(neighbour_rows or shape.rows, shape.seq_len)
+    neighbour = Shape(neighbour_rows or shape.batch, shape.seq_len)
     out["activations"] = max(saved_activation_bytes(cfg, shape, Techniques(), r),
                              saved_activation_bytes(cfg, neighbour, techniques, r))
     out["total"] = sum(out.values())
