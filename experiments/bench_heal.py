@@ -9,7 +9,7 @@ state transfer, imitated), D in 0, 2, 5, 10 s (--quick: 0, 2). Measured per D, f
 wall clocks: the seconds from the first committed step to the last, the heals, and the excess over D = 0
 divided by D: about the number of heals if a heal costs its own duration, far more if the replicas fall into
 taking turns healing (they did with the lighthouse's 500 ms join timeout, before it was raised; see
-mecefo.launch.JOIN_TIMEOUT_MS). A run that does not finish within 300 s is written as such.
+mecefo.lighthouse.JOIN_TIMEOUT_MS). A run that does not finish within 300 s is written as such.
 Writes results/bench/heal-<profile>.json.
 """
 

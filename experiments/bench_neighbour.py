@@ -59,7 +59,7 @@ class Before(Neighbour):
 TAU, R = 50, 0.125  # the V1 refresh interval and width of the paper's runs (Table 4: tau 50 steps; r D/8)
 
 
-def _layer_cfg(name: str, blocks: int) -> ModelConfig:
+def layer_cfg(name: str, blocks: int) -> ModelConfig:
     cfg = preset(name)
     return ModelConfig(vocab_size=8, dim=cfg.dim, n_layers=blocks, n_heads=cfg.n_heads, ffn_dim=cfg.ffn_dim,
                        max_seq_len=max(cfg.max_seq_len, 2048))
@@ -132,7 +132,7 @@ def _saved_bytes(stack: Stack, x, cos, sin, neighbour) -> int:
 
 
 def measure(name: str, tokens: int, blocks: int, rounds: int, pair_rounds: int = 0) -> dict:
-    cfg = _layer_cfg(name, blocks)
+    cfg = layer_cfg(name, blocks)
     torch.manual_seed(0)
     stack = Stack(cfg)
     lowrank = LowRankWgrad(r=R, tau=TAU, svd="auto").bind(stack)

@@ -48,12 +48,12 @@ def _worker(rank: int, port: int, name: str, blocks: int, rounds: int, out: str)
     from mecefo.neighbour import MECEFO, LowRankWgrad
     from mecefo.plan import Piece, StepPlan
 
-    from .bench_neighbour import R, Stack, _layer_cfg
+    from .bench_neighbour import R, Stack, layer_cfg
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=RANKS)
     torch.manual_seed(0)
-    stack = Stack(_layer_cfg(name, blocks))
+    stack = Stack(layer_cfg(name, blocks))
     lowrank = LowRankWgrad(r=R, tau=1, svd="auto", seed=0).bind(stack)
     engine = TorchReplicated(stack, None, 0, torch.device("cpu"), lowrank, n_ranks=RANKS, rank=rank)
     plan = StepPlan(0, frozenset(), {}, {r: (Piece(r, 0, 0, 1, 1, MECEFO),) for r in range(RANKS)})

@@ -23,7 +23,7 @@ def measured():
 
 @pytest.mark.parametrize("name", ["normal", "recompute_ffn", "low_rank_wgrad", "mecefo", "mecefo_before"])
 def test_the_flop_column_is_what_torch_counts_on_the_timed_step(measured, name):
-    cfg = bench._layer_cfg("tiny", BLOCKS)
+    cfg = bench.layer_cfg("tiny", BLOCKS)
     stack = bench.Stack(cfg)
     lowrank = LowRankWgrad(r=bench.R, tau=bench.TAU, svd="auto").bind(stack)
     lowrank.prepare(stack)
@@ -67,7 +67,7 @@ def test_the_figure_names_every_set_of_every_shape(measured):
 
 def test_own_and_failed_fused_computes_what_two_passes_compute():
     """The pair the benchmark times: one pass of both sequences gives the gradients of one pass each (fp64)."""
-    cfg = bench._layer_cfg("tiny", BLOCKS)
+    cfg = bench.layer_cfg("tiny", BLOCKS)
     torch.manual_seed(0)
     stack = bench.Stack(cfg).double()
     lowrank = LowRankWgrad(r=bench.R, tau=bench.TAU).bind(stack)

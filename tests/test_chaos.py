@@ -22,6 +22,9 @@ class FakeSupervisor:
     def committed(self):
         return self.step
 
+    def alive(self):
+        return sorted(self.procs)
+
     def training(self):
         return sorted(r for r in self.procs if r not in self.stalled and self.status.get(r) == "step")
 
@@ -255,3 +258,44 @@ def test_the_once_invariant_accepts_a_lone_history_only_where_its_replica_died_w
     s = types.SimpleNamespace(ranks=2, steps=4)
     assert _each_step_once(tmp_path, s, [{"kind": "kill", "rank": 0, "time": 3.0}])
     assert not _each_step_once(tmp_path, s, [{"kind": "kill", "rank": 0, "time": 3.6}])
+
+
+def test_a_supervisor_that_cannot_fire_a_kind_never_draws_it():
+    """The Slurm injector fires what a node's supervisor can (mecefo.slurm.INJECTABLE): the same generator, the
+    other kinds left out of the draw."""
+    from mecefo.slurm import INJECTABLE
+
+    assert {k.name for k in chaos.kinds(1, INJECTABLE)} == INJECTABLE - {"kill_process"}
+    punisher = chaos.Punisher(5, 60.0, 1, steps=100, can=INJECTABLE)
+    sup = FakeSupervisor(4, checkpoint=True)
+    for i in range(300):
+        punisher.poll(sup, now=float(i))
+        sup.refill(4)
+    assert punisher.fired and {e["kind"] for e in punisher.fired} <= INJECTABLE
+    assert not any(w[0] == "lighthouse" for w in sup.did)
+
+
+def test_the_slurm_injector_turns_the_generators_events_into_one_order_per_node(tmp_path):
+    """mecefo.slurm.Injector as the Punisher's supervisor: each event becomes one order file for the node's supervisor
+    (a kill and its restart together), logged in OUT/events/watch.jsonl; a node with an order pending is not drawn
+    again."""
+    import json
+
+    from mecefo.runfiles import write_replica_status
+    from mecefo.slurm import Injector, order_path
+    from mecefo.supervise import EventLog, read_events
+
+    for r in range(3):
+        write_replica_status(tmp_path, r, "step 7")
+    hands = Injector(tmp_path, 3, 100, EventLog(tmp_path, "watch"))
+    assert hands.look() == (7, ["step"] * 3) and hands.training() == [0, 1, 2]
+    hands.kill(1, "chaos: kill")
+    hands.restart_after(1, 1.5)
+    hands.stall(2, math.inf)
+    assert hands.training() == [0]  # ordered: not drawn again before its supervisor acts
+    hands.flush(7)
+    assert json.loads(order_path(tmp_path, 1).read_text()) == {"what": "kill", "why": "chaos: kill",
+                                                               "restart": {"after_s": 1.5}}
+    assert json.loads(order_path(tmp_path, 2).read_text())["seconds"] is None  # a stall past the end
+    assert [(e["kind"], e["node"], e["what"]) for e in read_events(tmp_path)] == [("inject", 1, "kill"),
+                                                                                 ("inject", 2, "stall")]

@@ -229,14 +229,15 @@ def test_a_lighthouse_kill_is_parsed_or_refused_in_one_line(spec, message):
 
 def test_stall_and_lighthouse_specs():
     from mecefo.failures import resolve
-    from mecefo.launch import kill_plan, stall_plan
+    from mecefo.launch import kill_plan
+    from mecefo.supervise import parse_stall
 
     kills, _ = kill_plan(resolve("none", 3, 10, 44.0, seed=0, start="stationary"), ["lighthouse:4:2.5", "lighthouse:6"], 3)
     assert [(k.what, k.rank, k.at_step, k.seconds) for k in kills] == [("lighthouse", None, 4, 2.5), ("lighthouse", None, 6, None)]
-    assert [(k.what, k.rank, k.at_step, k.seconds) for k in stall_plan(["2:5:3"], 3)] == [("stall", 2, 5, 3.0)]
+    assert [(k.what, k.rank, k.at_step, k.seconds) for k in [parse_stall("2:5:3", 3)]] == [("stall", 2, 5, 3.0)]
     for bad in ("2:5", "3:5:1", "1:0:1", "1:5:0", "1:5:inf"):
         with pytest.raises(UsageError, match="--stall"):
-            stall_plan([bad], 3)
+            parse_stall(bad, 3)
 
 
 def test_a_checkpoint_write_never_replaces_a_later_step_nor_leaves_dead_writers_files(tmp_path):

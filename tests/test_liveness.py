@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import pytest
 
-from mecefo import liveness
+from mecefo import lighthouse, liveness
 
 
 def _lighthouse(heartbeat_ms: int = 300):
@@ -45,7 +45,7 @@ def test_the_status_page_says_who_is_dead_and_how_old_the_last_quorum_is():
 
 
 def test_parse_status_on_a_page_without_a_quorum_or_heartbeats():
-    status = liveness.parse_status("Current quorum_id: 0 <br>\nNext quorum status: waiting\n<h2>Heartbeats</h2><ul></ul>")
+    status = lighthouse.parse_status("Current quorum_id: 0 <br>\nNext quorum status: waiting\n<h2>Heartbeats</h2><ul></ul>")
     assert status == liveness.Status({}, frozenset(), 0, None, None)
 
 

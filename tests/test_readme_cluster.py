@@ -25,7 +25,7 @@ SMALL = {"preset": "nano", "vocab_size": "300", "seq_len": "32", "micro_batch_si
          "steps": "40", "warmup_steps": "2", "eval_every": "20", "checkpoint_every": "10", "device": "cpu"}
 C4_SMALL = "--c4_val_tokens 1200 --c4_tokenizer_docs 100 --val_windows 8"
 SCALED = {"--nodes=4": "--nodes=2", "--nodes 4": "--nodes 2", "--ranks 4": "--ranks 2", "--gpus_per_node 8": "--gpus_per_node 1",
-          "--kill 1:200:30": "--kill 1:8:2"}
+          "--kill 1:200:30s": "--kill 1:8:2s"}
 # what each line of the block is: run by a test here (RUN), or why not
 RUN = ("srun ", "export ", "FLAGS=", "python -m mecefo.launch --prepare", "MECEFO_INJECT=", "sbatch ",
        "python -m mecefo.slurm submit", "python -m mecefo.launch --out $RUN --merge")

@@ -13,9 +13,9 @@ import pytest
 
 from mecefo.errors import UsageError
 from mecefo.launch import main as launch_main
-from mecefo.slurm import events as slurm_events
 from mecefo.slurm import main as slurm_main
-from mecefo.slurm import parse_kill
+from mecefo.slurm import slurm_kill
+from mecefo.supervise import read_events as slurm_events
 from mecefo.timing import PHASES
 from mecefo.train import main as train_main
 from tests.conftest import NANO, ROOT, metrics, python_module, subprocess_env
@@ -36,10 +36,20 @@ def fake_allocation(nodes: int, **extra) -> dict:
                           SLURM_NNODES=str(nodes), SLURM_JOB_NODELIST=f"fake[0-{nodes - 1}]", **extra)
 
 
-@pytest.mark.parametrize("spec", ["1", "1:x", "1:0", "1:3:-1", "1:3:2:5", "a:3"])
-def test_an_injector_kill_that_is_not_node_step_seconds_is_refused(spec):
-    with pytest.raises(UsageError, match="NODE:STEP"):
-        parse_kill(spec)
+@pytest.mark.parametrize("spec, message", [
+    ("1", "expected RANK:STEP"), ("1:x", "expected RANK:STEP"), ("1:0", "STEP must be at least 1"),
+    ("1:3:-1s", "expected RANK:STEP"), ("1:3:2:5", "expected RANK:STEP"), ("a:3", "expected RANK:STEP"),
+    ("1:3:2", "RESTART_STEP after it"), ("1/1:3", "a whole replica group"), ("lighthouse:3", "does not run the lighthouse"),
+    ("2:3", "rank must be in 0..1")])
+def test_an_injector_kill_outside_the_grammar_or_the_nodes_reach_is_refused(spec, message):
+    with pytest.raises(UsageError, match=message):
+        slurm_kill(spec, 2)
+
+
+def test_the_injector_reads_the_launchers_grammar():
+    """One grammar (mecefo.supervise): killed for good, restarted at a step, after seconds, while healing."""
+    assert [(k.at_step, k.restart_step, k.restart_after_s) for k in map(lambda s: slurm_kill(s, 2),
+            ["1:5", "1:5:9", "1:5:2.5s", "0:heal"])] == [(5, None, None), (5, 9, None), (5, None, 2.5), (None, 0, None)]
 
 
 def test_a_node_outside_the_run_or_outside_srun_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
@@ -79,7 +89,7 @@ def test_the_submitit_job_survives_a_node_killed_and_equals_its_simulated_twin(t
     out, port = tmp_path / "run", free_port()
     args = [*NANO, "--steps", "60", "--eval_every", "30"]
     r = python_module("mecefo.slurm", "submit", "--out", str(out), "--nodes", "2", "--cluster", "local", "--wait",
-                      "--port", str(port), "--kill", "1:8:2", "--min_step_s", "0.25", "--", *args)
+                      "--port", str(port), "--kill", "1:8:2s", "--min_step_s", "0.25", "--", *args)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     events = slurm_events(out)
     node1 = [e["kind"] for e in events if e.get("node") == 1]
@@ -117,7 +127,7 @@ def test_every_node_dead_ends_the_job_and_the_same_job_submitted_again_continues
     job = ["bash", str(FAKE / "sbatch"), "--nodes=2", str(ROOT / "scripts" / "slurm" / "mecefo.sbatch"), str(out), *args]
     env = fake_allocation(2, MECEFO_LIGHTHOUSE_PORT=str(port), MECEFO_NODE_FLAGS="--min_step_s 0.25",
                           MECEFO_FT_JOIN_TIMEOUT_S="6")
-    env["MECEFO_INJECT"] = "--kill 0:12 --kill 1:12"
+    env["MECEFO_INJECT"] = "--kill 0:12:0s --kill 1:12:0s"
     r = subprocess.run(job, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 3, r.stdout[-3000:] + r.stderr[-3000:]
     assert "submit the same command again to continue" in r.stderr

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import UsageError
+from .runfiles import CHECKPOINTING, EVALUATING, HEALING, WAITING
 
 RESTART_S = 2.0  # a killed rank is restarted after U(0, RESTART_S) s
 STALL_S = (2.0, 6.0)  # a stalled rank is stopped for U(*STALL_S) s
@@ -65,8 +66,9 @@ KINDS = (
 )
 
 
-def kinds(group_size: int) -> tuple[Kind, ...]:
-    return tuple(k for k in KINDS if group_size > 1 or not k.groups_only)
+def kinds(group_size: int, can: frozenset[str] | None = None) -> tuple[Kind, ...]:
+    """The kinds drawn for replica groups of group_size processes by a supervisor that can fire `can` (None: all)."""
+    return tuple(k for k in KINDS if (group_size > 1 or not k.groups_only) and (can is None or k.name in can))
 
 
 def parse(spec: str) -> tuple[int, float]:
@@ -89,13 +91,14 @@ def describe() -> str:
 
 
 class Punisher:
-    """Draws and fires the events of one launch. The supervisor calls poll() every tick; poll acts through the
-    supervisor's own verbs (kill, restart_after, kill_unplanned, stall, restart_lighthouse) and reads its view
-    (the ranks training, statuses, the committed step, whether a checkpoint exists)."""
+    """Draws and fires the events of one run. Its supervisor (mecefo.launch's, or mecefo.slurm's watcher) calls
+    poll() every tick; poll acts through the supervisor's verbs (kill, restart_after, kill_unplanned, stall,
+    restart_lighthouse: those of the kinds in `can`, None: every kind) and reads its view (committed(), training(),
+    alive(), statuses(), has_checkpoint()), and records each event with its log(message, **event)."""
 
-    def __init__(self, seed: int, rate_per_min: float, group_size: int, steps: int):
+    def __init__(self, seed: int, rate_per_min: float, group_size: int, steps: int, can: frozenset[str] | None = None):
         self.rng, self.rate, self.group_size = np.random.default_rng(seed), rate_per_min, group_size
-        self.kinds = kinds(group_size)
+        self.kinds = kinds(group_size, can)
         weights = np.array([k.weight for k in self.kinds])
         self.p = weights / weights.sum()
         self.quiet_from = int(math.ceil(steps * (1 - QUIET_TAIL)))
@@ -143,7 +146,7 @@ class Punisher:
         if name == "all":
             if not sup.has_checkpoint():
                 return False
-            everyone = sorted(sup.procs)  # the stalled and the joining ones too
+            everyone = sup.alive()  # the stalled and the joining ones too
             self._record(sup, kind, "fired", f"ranks {everyone} killed at once", ranks=everyone)
             for r in everyone:
                 sup.kill(r, "chaos: all")
@@ -160,13 +163,13 @@ class Punisher:
             self._kill(sup, kind, [self.victim], phase="first")
             return False
         if name == "kill_healing":
-            if status.get(self.victim) == "healing" and self.victim in sup.procs:
+            if status.get(self.victim) == HEALING and self.victim in sup.alive():
                 self._kill(sup, kind, [self.victim], restart=0.0, phase="while healing")
                 return True
             return False
         if name == "kill_store":
             first = sorted(training, key=lambda r: f"mecefo_{r}:")  # as torchft sorts its ids "mecefo_R:<uuid>"
-            if status.get(self.victim) == "waiting" and self.victim in sup.procs and len(first) >= 2:
+            if status.get(self.victim) == WAITING and self.victim in sup.alive() and len(first) >= 2:
                 self._kill(sup, kind, first[:1], joining=self.victim, phase="the store's host")
                 return True
             return False
@@ -196,7 +199,7 @@ class Punisher:
             self._kill(sup, kind, sorted(int(r) for r in self.rng.choice(training, size=k, replace=False)))
             return True
         if name in ("kill_writer", "kill_checkpoint"):
-            busy = ("checkpointing",) if name == "kill_checkpoint" else ("evaluating", "checkpointing")
+            busy = (CHECKPOINTING,) if name == "kill_checkpoint" else (EVALUATING, CHECKPOINTING)
             writing = [r for r in training if status.get(r) in busy]
             if writing:
                 self._kill(sup, kind, writing[:1])

@@ -45,28 +45,18 @@ import torch
 
 from . import config as config_mod
 from . import liveness
+from . import torchft_private as private
 from .errors import BAD_INPUT, CANNOT_GO_ON, TrainingStopped, UsageError, guarded
+from .faults import Faults
 from .heal import HealTransport, read_token
 from .membership import COMMIT, REDO, STOP, LeftBehind, Membership, Quorum, token_data
 from .plan import StepPlan
 from .placement import local_device
 from .processes import die_with_parent, group_store, serve
 from .records import atomic_write_json, atomic_write_text, last_row, repair_tail
-from .runfiles import HOLDS_NONE, TRAINING, RunFiles, read_config, read_replica_status, write_replica_status
+from .runfiles import (BEHIND, FINISHED, HEALING, HOLDS_NONE, LEFT, STARTING, STEP, TRAINING, WAITING, RunFiles,
+                       read_config, read_replica_status, write_replica_status)
 
-HEAL_DELAY_ENV = "MECEFO_FT_HEAL_DELAY_S"  # tests: hold a process's first healing so that it can be killed then
-# Faults the tests inject, by environment variable, into a replica's first life (not into a restarted one):
-FAULT_VOID = "MECEFO_FT_FAULT_VOID_FROM"  # STEP: every step from STEP on fails (a persistent fault)
-FAULT_DIE_IN_QUORUM = "MECEFO_FT_FAULT_DIE_IN_QUORUM"  # R[,R..]:STEP[;...]: these ranks SIGKILL themselves the moment
-#   the first new quorum (a changed membership) at or after step STEP forms, before its process group is built: the
-#   survivors then meet a dead member at the quorum's store
-FAULT_CRASH = "MECEFO_FT_FAULT_CRASH"  # R:STEP: rank R raises an exception at step STEP (a crash: exit status 1)
-FAULT_HEAL = "MECEFO_FT_FAULT_HEAL"  # R/J: process J of rank R's replica group fails its heals (its source "died")
-FAULT_ABANDON = "MECEFO_FT_FAULT_ABANDON"  # R:STEP: rank R leaves step STEP's exchange without a collective (an error
-#   of its own, alive): its peers are left blocked in the collective on it
-FAULT_LONE_COMMIT = "MECEFO_FT_FAULT_LONE_COMMIT"  # R:STEP: only rank R commits step STEP (every other replica's commit
-#   fails after the exchange, as when a dying peer's last message reached R alone) and R dies right after writing its
-#   row: the others redo the step without it, and R, restarted, heals past it
 HOST_ENV = "MECEFO_FT_HOST"  # the address peers reach this replica at; unset: 127.0.0.1, every server on loopback
 TIMEOUT_S = float(os.environ.get("MECEFO_FT_TIMEOUT_S", "30"))  # torchft's connect, collective and quorum timeouts
 JOIN_TIMEOUT_S = float(os.environ.get("MECEFO_FT_JOIN_TIMEOUT_S", "300"))  # the wait for the peers before training
@@ -132,7 +122,7 @@ class ReplicaFiles(RunFiles):
             if q == self.rank:
                 continue
             words = read_replica_status(self.out, q) or [""]
-            finished = finished or words[0] == "finished"
+            finished = finished or words[0] == FINISHED
             if words[0] in TRAINING and len(words) > 1 and words[1].isdigit():
                 training[q] = int(words[1])
                 furthest = max(furthest, training[q])
@@ -147,7 +137,7 @@ class ReplicaFiles(RunFiles):
         if self.group.rank == 0:
             atomic_write_json(self.replicas / f"rank{self.rank}.left.json",
                               {"rank": self.rank, "woke_at_step": woke_at, "run_step": front, "time": time.time(), "life": LIFE})
-            write_replica_status(self.out, self.rank, f"left {woke_at}")
+            write_replica_status(self.out, self.rank, f"{LEFT} {woke_at}")
 
     def write_checkpoint(self, step: int, config_hash: str, states: dict, tensors: dict | None, writer: bool,
                          collective: bool, keep: int = 1) -> None:
@@ -176,12 +166,13 @@ class FtMembership(Membership):
     does not would hang), through one collective of the group."""
 
     def __init__(self, cfg, rank: int, device: torch.device, run_dir: Path, lighthouse: str, min_step_s: float = 0.0,
-                 wait_for: int = 1, rejoin: bool = False, group: "Group | None" = None):
+                 wait_for: int = 1, rejoin: bool = False, group: "Group | None" = None, faults: Faults | None = None):
         self.cfg, self.rank, self.device, self.n_ranks = cfg, rank, device, cfg.cluster.ranks
         self.lighthouse = lighthouse  # the lighthouse's address
         self.min_step_s = min_step_s  # pace steps to at least this long (so that the launcher's kills land)
         self.wait_for = wait_for  # replicas to wait for before the first step
         self.rejoin = rejoin  # a restarted replica: heal from a live peer first
+        self.faults = faults or Faults()  # the tests' (mecefo.faults); none in a run
         self.sharded = cfg.cluster.shard == "fsdp"
         self.group = group or join_group(cfg.cluster.shard, device)  # this process's replica group
         self.replica_files = ReplicaFiles(run_dir, rank, self.group)
@@ -191,7 +182,7 @@ class FtMembership(Membership):
         self.healed_at, self.healed_before, self.first, self.last_begin = None, False, True, None
         self.quorum_at, self.voided = None, False  # when the last quorum returned; a step voided since the last commit
         self.heals, self.void_since, self.voids = 0, None, 0  # void_since: a liveness.Awake while steps are voided
-        self.status("starting")
+        self.status(STARTING)
 
     @classmethod
     def setup(cls, cfg, device: torch.device) -> tuple[int, torch.device]:
@@ -236,7 +227,7 @@ class FtMembership(Membership):
         host, bind = network()
         timeout = timedelta(seconds=TIMEOUT_S)
         pg = liveness.process_group(self.device.type, timeout)  # a new quorum's rendezvous ends when a member dies
-        with _manager_server_bound_to(bind), self.deadline(f"the lighthouse at {self.lighthouse}"):
+        with private.manager_server_bound_to(bind), self.deadline(f"the lighthouse at {self.lighthouse}"):
             self.manager = Manager(
                 pg=pg, load_state_dict=self.load_state, state_dict=self.state, min_replica_size=1,
                 use_async_quorum=False, replica_id=f"mecefo_{self.rank}", store_addr=self.group.address,
@@ -246,10 +237,11 @@ class FtMembership(Membership):
                                                    identity=lambda: (pg.session, pg.member_rank)))  # heals over the process
                 # group, tensors and JSON after proof of the run's token (mecefo.heal): no HTTP server (torchft's default
                 # transport listens on every interface), no pickle (torchft's PGTransport unpickles what a peer sends)
-        pg.recorder = self.manager._client = liveness.QuorumRecorder(self.manager._client, self._die_in_quorum)
+        pg.recorder = liveness.QuorumRecorder(private.client(self.manager), self._die_in_quorum)
+        private.set_client(self.manager, pg.recorder)
         pg.recorder.gone, pg.recorder.manager = self.members_gone, self.manager
-        if os.environ.get(FAULT_HEAL) == f"{self.rank}/{self.group.rank}" and not self.rejoin:
-            self.manager._checkpoint_transport.recv_checkpoint = _fails_after(self.manager._checkpoint_transport.recv_checkpoint)
+        if self.faults.heal_fails():
+            private.wrap_heal_receiver(self.manager, _fails_after)
         pg.lighthouse = self.lighthouse
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
         if self.wait():
@@ -259,10 +251,8 @@ class FtMembership(Membership):
 
     def _die_in_quorum(self, result) -> None:
         changed, self.quorum_id = result.quorum_id != getattr(self, "quorum_id", None), result.quorum_id
-        for spec in os.environ.get(FAULT_DIE_IN_QUORUM, "").split(";") if not self.rejoin else ():
-            ranks, _, step = spec.partition(":")
-            if spec and changed and self.rank in {int(r) for r in ranks.split(",")} and result.max_step >= int(step):
-                os.kill(os.getpid(), signal.SIGKILL)
+        if self.faults.dies_in_quorum(changed, result.max_step):
+            os.kill(os.getpid(), signal.SIGKILL)
 
     @contextlib.contextmanager
     def deadline(self, what: str):
@@ -279,7 +269,7 @@ class FtMembership(Membership):
         progress (mecefo.liveness.wait_for_quorum); then after_quorum on what happened in it."""
         heals, t0 = self.heals, time.perf_counter()
         try:
-            liveness.wait_for_quorum(self.manager, self.lighthouse, STALL_S, TIMEOUT_S, self.manager._client,
+            liveness.wait_for_quorum(self.manager, self.lighthouse, STALL_S, TIMEOUT_S, private.client(self.manager),
                                      agree=self._all if self.sharded else None, known_gone=self.members_gone)
         except TimeoutError as e:
             raise TrainingStopped(f"rank {self.rank}: waited for a quorum at the lighthouse {self.lighthouse} in vain: "
@@ -325,10 +315,8 @@ class FtMembership(Membership):
         if self.sharded and (shards or {}).get("group_size") != self.group.size:
             raise TrainingStopped(f"rank {self.rank}: a live group of {(shards or {}).get('group_size')} processes "
                                   f"cannot heal a group of {self.group.size} (every replica group must have the same size)")
-        self.status("healing")
-        delay = float(os.environ.get(HEAL_DELAY_ENV, "0") or 0)
-        if delay and (not self.healed_before or os.environ.get("MECEFO_FT_HEAL_DELAY_EVERY")):
-            time.sleep(delay)
+        self.status(HEALING)
+        time.sleep(self.faults.heal_delay(self.healed_before))
         self.healed_before = True
         for k, v in state.items():
             self.healed[k].load_state_dict(v)
@@ -345,7 +333,7 @@ class FtMembership(Membership):
         wait until the lighthouse's last quorum is ahead of `step`, i.e. a live peer holds newer state to heal from.
         False if the run finished first. (Without this, two restarted replicas could form a quorum of their own,
         e.g. with a restarted lighthouse that does not see the others yet, and train a second history.)"""
-        self.status("waiting")
+        self.status(WAITING)
         start = time.monotonic()
         while True:
             status = liveness.read_status(self.lighthouse)
@@ -374,7 +362,7 @@ class FtMembership(Membership):
         """Take part in quorums without training (nothing is committed) until `wait_for` replicas are there
         (the run's start) or, for a restarted replica, until it has healed from a live peer. False if the
         run finished meanwhile. The last of these quorums is the first step's."""
-        self.status("waiting")
+        self.status(WAITING)
         start = time.monotonic()
         while True:
             if time.monotonic() - start > JOIN_TIMEOUT_S:
@@ -439,7 +427,7 @@ class FtMembership(Membership):
             if what == "train":
                 if since is not None:
                     print(f"rank {self.rank}: at the run's front again at step {step}", flush=True)
-                    self.status(f"step {step}")
+                    self.status(f"{STEP} {step}")
                 return
             if since is None:
                 since = step
@@ -451,7 +439,7 @@ class FtMembership(Membership):
                     + ("no replica ahead of it is alive to heal from" if not live else
                        f"no quorum with a live replica ahead formed within {STALL_S:g} s (MECEFO_FT_STALL_S)")
                     + ": it stops rather than train a second history")
-            self.status(f"behind {step}")
+            self.status(f"{BEHIND} {step}")
             self.manager.report_error(RuntimeError("behind the run's front"))  # nothing of this quorum commits
             self.manager.should_commit()
             time.sleep(0.1 if live else liveness.STATUS_EVERY_S)
@@ -496,9 +484,8 @@ class FtMembership(Membership):
         self.keep_to_the_front(end, check=self.sharded or first or away or self.voided or self.heals > heals)
         self.quorum_at = time.monotonic()
         step = self.manager.current_step()
-        crash = os.environ.get(FAULT_CRASH, "").split(":")
-        if len(crash) == 2 and int(crash[0]) == self.rank and step >= int(crash[1]) and not self.rejoin:
-            raise RuntimeError(f"an injected crash at step {step} ({FAULT_CRASH})")
+        if crash := self.faults.crashes(step):
+            raise RuntimeError(crash)
         if self.healed_at is not None:
             print(f"rank {self.rank}: healed from a live peer at step {step}", flush=True)
             self.replica_files.healed(step, self.healed_at)
@@ -528,11 +515,8 @@ class FtMembership(Membership):
         numbers are not its, and every process must take the same branch (void, redone)."""
         from torch.distributed import ReduceOp
 
-        abandon = os.environ.get(FAULT_ABANDON, "").split(":")
-        if len(abandon) == 2 and int(abandon[0]) == self.rank and self.manager.current_step() + 1 == int(abandon[1]) \
-                and not self.rejoin and not self.sharded and not getattr(self, "abandoned", False):
-            self.abandoned = True  # once
-            self.manager.report_error(RuntimeError(f"an injected abandoned exchange ({FAULT_ABANDON})"))
+        if not self.sharded and (abandon := self.faults.abandons(self.manager.current_step())):
+            self.manager.report_error(RuntimeError(abandon))
             return
         self.manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()
         if self.sharded and not _all_in_group(self.manager.errored() is None, self.device):
@@ -559,14 +543,9 @@ class FtMembership(Membership):
     def _commits(self, plan: StepPlan | None) -> bool:
         if plan is None:
             self.manager.report_error(RuntimeError("the quorum's failed set could not be read"))
-        fault = os.environ.get(FAULT_VOID)
-        if fault and self.manager.current_step() >= int(fault):
-            self.manager.report_error(RuntimeError(f"a persistent fault ({FAULT_VOID}={fault})"))
-        lone = os.environ.get(FAULT_LONE_COMMIT, "").split(":")
-        if len(lone) == 2 and int(lone[0]) != self.rank and self.manager.current_step() + 1 == int(lone[1]) \
-                and not self.rejoin and not getattr(self, "left_alone", False):
-            self.left_alone = True  # once
-            self.manager.report_error(RuntimeError(f"an injected failed commit ({FAULT_LONE_COMMIT})"))
+        for fault in (self.faults.voids(self.manager.current_step()), self.faults.refuses_commit(self.manager.current_step())):
+            if fault:
+                self.manager.report_error(RuntimeError(fault))
         return self._should_commit() and plan is not None
 
     def _should_commit(self) -> bool:
@@ -579,7 +558,7 @@ class FtMembership(Membership):
         at once, its commit fails, and the quorum after has a new id)."""
         if self.manager.should_commit():
             return True
-        self.manager._pg.abort()
+        private.abort_process_group(self.manager)
         return False
 
     def end_step(self, row: dict | None) -> None:
@@ -587,8 +566,8 @@ class FtMembership(Membership):
         self.voided = row is None
         if row is not None:
             self.void_since, self.voids = None, 0
-            self.status(f"step {row['step']}")
-            if os.environ.get(FAULT_LONE_COMMIT) == f"{self.rank}:{row['step']}" and not self.rejoin:
+            self.status(f"{STEP} {row['step']}")
+            if self.faults.dies_after_commit(row["step"]):
                 os.kill(os.getpid(), signal.SIGKILL)
             return
         self.void_since, self.voids = self.void_since or liveness.Awake(cap_s=2 * TIMEOUT_S), self.voids + 1
@@ -640,14 +619,14 @@ def _all_in_group(ok: bool, device: torch.device) -> bool:
 
 
 def _fails_after(recv):
-    """A checkpoint transport's recv_checkpoint that receives the state and then fails, every time (FAULT_HEAL): the
+    """A checkpoint transport's recv_checkpoint that receives the state and then fails, every time (mecefo.faults.HEAL): the
     transfer fails at its end, in a quorum where it worked, so that the group's other processes heal in it whatever
     this machine's timing (a first transfer that failed for real in them too would leave no group healed by halves);
     the group then kills itself (after_quorum) and its restarted processes heal whole."""
 
     def wrapped(*args, **kwargs):
         recv(*args, **kwargs)
-        raise RuntimeError(f"an injected failure of this process's heal ({FAULT_HEAL})")
+        raise RuntimeError("an injected failure of this process's heal (MECEFO_FT_FAULT_HEAL)")
 
     return wrapped
 
@@ -730,24 +709,6 @@ def network() -> tuple[str, str]:
     return (host, "0.0.0.0") if host else ("127.0.0.1", "127.0.0.1")
 
 
-class _manager_server_bound_to:
-    """torchft 0.2.0's Manager binds its ManagerServer to [::] with no argument to change it: while the Manager
-    is built, the class it instantiates is wrapped so that the server listens on `bind` (process-local)."""
-
-    def __init__(self, bind: str):
-        self.bind = bind
-
-    def __enter__(self):
-        import torchft.manager as manager
-
-        self.module, self.original = manager, manager.ManagerServer
-        original, host = self.original, (self.bind if self.bind != "0.0.0.0" else "[::]")
-        manager.ManagerServer = lambda **kw: original(**{**kw, "bind": f"{host}:{kw['bind'].rsplit(':', 1)[1]}"})
-
-    def __exit__(self, *exc):
-        self.module.ManagerServer = self.original
-
-
 def replica(cfg, out: Path, rank: int, lighthouse: str, min_step_s: float, wait_for: int, rejoin: bool,
             tensorboard: Path | None = None) -> None:
     """One replica process: mecefo.train's Run on this backend, from OUT/checkpoint if there is one (the
@@ -760,7 +721,8 @@ def replica(cfg, out: Path, rank: int, lighthouse: str, min_step_s: float, wait_
         torch.cuda.set_device(device)
     group = join_group(cfg.cluster.shard, device)
     training = Run(cfg, out, device, rank, quiet=group.rank != 0, tensorboard=tensorboard, run_dir=out, lighthouse=lighthouse,
-                   min_step_s=min_step_s, wait_for=wait_for, rejoin=rejoin, group=group)
+                   min_step_s=min_step_s, wait_for=wait_for, rejoin=rejoin, group=group,
+                   faults=Faults.from_environ(rank, group.rank, rejoin))  # (read once, here: the tests' faults)
     resume = (out / "checkpoint").exists() and not rejoin  # a restarted replica heals from a live peer instead
     if cfg.cluster.shard == "fsdp":  # one answer for the group (another group may be writing the first checkpoint)
         resume = _all_in_group(resume, device)
@@ -769,7 +731,7 @@ def replica(cfg, out: Path, rank: int, lighthouse: str, min_step_s: float, wait_
         if start is not None:
             training.train(start, cfg.train.steps)
             training.summary()
-            training.files.status("finished")
+            training.files.status(FINISHED)
     except LeftBehind as e:
         training.membership.left_behind(e)
     finally:

@@ -36,7 +36,6 @@ heals, summary, status and log). OUT/run.lock is held by the launcher while it r
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import signal
@@ -50,99 +49,20 @@ from . import chaos, failures
 from . import config as config_mod
 from .errors import BAD_INPUT, CANNOT_GO_ON, TrainingStopped, UsageError, guarded
 from .heal import ensure_token
-from .liveness import read_status
+from .lighthouse import Lighthouse
 from .placement import launcher_gpus, one_gpu, visible_gpus
 from .progress import ProgressLine
 from .processes import ForkServer, become_subreaper, die_with_parent, group_store
 from .records import atomic_write_json
 from .replica_records import merge, resume_point
-from .runfiles import TRAINING, RunFiles, read_config, read_replica_status, write_replica_status
+from .runfiles import DOWN, FINISHED, HEALING, STARTING, TRAINING, RunFiles, read_config, write_replica_status
+from .supervise import (KILL_GRAMMAR, EventLog, Kill, committed_step, exit_kind, how, parse_kill, parse_stall, read_events,
+                        read_statuses, replica_env)
 
 POLL_S = 0.02
-# How long the lighthouse waits for a live (heartbeating) replica that has not asked for the quorum yet before
-# forming one without it; a dead one drops out at the heartbeat timeout (0.5 s) whatever this is. It must exceed
-# the longest step plus heal: with 500 ms, a replica kept waiting through a peer's 5 s heal made the next quorum
-# form the moment one other peer arrived, leaving the third out by milliseconds, which then had to heal: the
-# replicas took turns healing every 2-3 steps for ever (measured). Below the quorum timeout (MECEFO_FT_TIMEOUT_S).
-JOIN_TIMEOUT_MS = int(os.environ.get("MECEFO_FT_LIGHTHOUSE_JOIN_MS", "20000"))
-# A replica whose manager has not heartbeated (every 100 ms, from torchft's manager server thread, which Python's GIL
-# does not hold up) for this long is dead to the lighthouse: the floor of the time from a kill to the next step. The
-# chaos harness: with 1000 ms, kill -> next step was 1.0-1.1 s at best (p95 3.8 s); with 500 ms, 0.5-0.6 s.
-HEARTBEAT_TIMEOUT_MS = int(os.environ.get("MECEFO_FT_HEARTBEAT_MS", "500"))
 FORK_SERVER_BACKOFF_S = 10.0  # after the fork server died: start the next one no sooner
 FORK_SERVER_READY_S = 60.0  # the run's first replicas wait this long for the fork server, then start as fresh processes
 MAX_RESTARTS = 3  # default --max_restarts: restarts of a rank after a crash (a non-signal exit other than 2 and 3)
-
-
-# what a replica must not inherit from the launcher's environment: a caller's torchrun (its store and ranks) or
-# MECEFO_FT_HOST (the launcher runs one node: everything on the loopback)
-INHERITED_NOT = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                 "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "MECEFO_FT_HOST")
-
-
-@dataclass
-class Kill:
-    rank: int
-    at_step: int | None  # kill once this step is committed (None: while healing)
-    restart_step: int | None  # restart once this step is committed (None: never, unless restart_at)
-    done: bool = False
-    restarted: bool = False
-    process: int | None = None  # one process of the rank's replica group (None: the whole group)
-    restart_at: float | None = None  # restart at this time (time.monotonic()), whatever the step
-    what: str = "kill"  # kill | stall (SIGSTOP for `seconds`, then SIGCONT) | lighthouse (rank None; back after
-    seconds: float | None = None  # `seconds`, None: never)
-
-
-def _lighthouse_binary() -> str:
-    """torchft's torchft_lighthouse, installed beside this interpreter (a virtual environment's bin/) or on PATH."""
-    import shutil
-
-    beside = Path(sys.executable).with_name("torchft_lighthouse")
-    found = str(beside) if beside.exists() else shutil.which("torchft_lighthouse")
-    if found is None:
-        raise UsageError("torchft's torchft_lighthouse is not installed (pip install -r requirements.txt)")
-    return found
-
-
-class Lighthouse:
-    """torchft's lighthouse as a process of its own (torchft's torchft_lighthouse), listening on 127.0.0.1 (one
-    node), dying with the launcher; a chaos event can SIGKILL it and start a new one on the same address (its
-    quorums and heartbeats are gone, as after a crash). Its log: OUT/lighthouse.log."""
-
-    def __init__(self, out: Path):
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.address, self.log, self.proc = f"http://127.0.0.1:{self.port}", out / "lighthouse.log", None
-        self.start()
-        deadline = time.monotonic() + 60
-        while read_status(self.address, timeout_s=0.5) is None:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                raise TrainingStopped(f"torchft's lighthouse did not start on {self.address} (see {self.log})")
-            time.sleep(0.05)
-
-    def start(self) -> None:
-        with open(self.log, "a") as log:
-            self.proc = subprocess.Popen(
-                [_lighthouse_binary(), "--bind", f"127.0.0.1:{self.port}", "--min_replicas", "1", "--join_timeout_ms", str(JOIN_TIMEOUT_MS),
-                 "--quorum_tick_ms", "20", "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS)],
-                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")},
-                start_new_session=True, preexec_fn=die_with_parent)
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
-
-    def restart(self) -> None:
-        self.kill()
-        self.start()
-
-    def shutdown(self) -> None:
-        self.kill()
 
 
 @dataclass
@@ -162,7 +82,7 @@ class Supervisor:
     max_restarts: int = MAX_RESTARTS
     chaos: object = None  # a mecefo.chaos.Punisher
     procs: dict = field(default_factory=dict)  # rank -> its group's Popens
-    events: list = field(default_factory=list)
+    event_log: EventLog | None = None  # OUT/events/launch.jsonl (mecefo.supervise)
     t0: float = field(default_factory=time.time)
     furthest: int = 0
     rejoining: set = field(default_factory=set)  # restarted ranks that have not trained yet
@@ -192,34 +112,25 @@ class Supervisor:
         Python prints it as 'Exception ignored' and drops it (CI saw this with two Ctrl-C 50 ms apart)."""
         self.interrupted = True
 
+    @property
+    def events(self) -> list[dict]:
+        return self.event_log.events
+
     def log(self, msg: str, **event) -> None:
         if event:
-            self.events.append({"time": time.time(), **event})
+            self.event_log.record(**event)
         if not self.quiet:
             print(f"[launch {time.time() - self.t0:7.2f}s] {msg}", flush=True)
 
     # ------------------------------------------------------------------ what the replicas say
-    def read_statuses(self) -> dict[int, list[str]]:
-        """Each replica's status file, split: [what, (step,) time]; the launcher writes 'starting' at a start."""
-        found = {}
-        for r in range(self.cfg.cluster.ranks):
-            words = read_replica_status(self.out, r)
-            if words:
-                found[r] = words
-        return found
-
     def observe(self) -> dict[int, list[str]]:
         """Read the statuses, follow the committed step, and record every change of what a replica does."""
-        statuses = self.read_statuses()
+        statuses = read_statuses(self.out, self.cfg.cluster.ranks)
+        self.furthest = max(self.furthest, committed_step(statuses, self.cfg.train.steps))
         for r, words in statuses.items():
-            if words[0] in TRAINING and len(words) > 1 and words[1].isdigit():
-                self.furthest = max(self.furthest, int(words[1]))
-            elif words[0] == "finished":
-                self.furthest = max(self.furthest, self.cfg.train.steps)
             if self.seen.get(r) != words[0]:
                 self.seen[r] = words[0]
-                self.events.append({"time": time.time(), "kind": "status", "rank": r, "status": words[0],
-                                    "step": self.furthest})
+                self.event_log.record(kind="status", rank=r, status=words[0], step=self.furthest)
         self.observed = statuses
         return statuses
 
@@ -229,6 +140,10 @@ class Supervisor:
 
     def statuses(self) -> dict[int, str]:
         return {r: words[0] for r, words in self.observed.items()}
+
+    def alive(self) -> list[int]:
+        """Ranks whose processes run (stalled and still joining ones included)."""
+        return sorted(self.procs)
 
     def training(self) -> list[int]:
         """Ranks that hold the run's state: their processes run, not stalled, past their heal (or never restarted)."""
@@ -241,8 +156,8 @@ class Supervisor:
     # ------------------------------------------------------------------ verbs (the kill plan's and chaos')
     def start(self, rank: int, why: str, wait_for: int = 1) -> None:
         """Start rank's replica: one process, or with --group_size K a group of K meeting at a store hosted here."""
-        write_replica_status(self.out, rank, "starting")  # (not the dead one's)
-        self.observed[rank] = ["starting"]  # (what this tick read was the dead process's)
+        write_replica_status(self.out, rank, STARTING)  # (not the dead one's)
+        self.observed[rank] = [STARTING]  # (what this tick read was the dead process's)
         env = self.replica_env()
         if self.group_size > 1 or self.cfg.cluster.shard == "fsdp":
             self.stores[rank] = group_store("127.0.0.1", "127.0.0.1")  # a fresh one per start: no key of a dead group
@@ -275,10 +190,9 @@ class Supervisor:
                  step=self.committed())
 
     def replica_env(self) -> dict:
-        """The environment every replica process starts from: the launcher's, less a caller's torchrun and any
-        opening of the servers (one node: everything on the loopback)."""
-        env = {k: v for k, v in os.environ.items() if k not in INHERITED_NOT}
-        env |= {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
+        """The environment every replica process starts from (mecefo.supervise.replica_env), less any opening of the
+        servers (MECEFO_FT_HOST: one node, everything on the loopback)."""
+        env = replica_env(drop=("MECEFO_FT_HOST",))
         if sys.platform == "linux":  # gloo's and NCCL's sockets on the loopback too (they otherwise take the
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # hostname's interface: NCCL's bootstrap listens there)
             env.setdefault("NCCL_SOCKET_IFNAME", "lo")
@@ -317,8 +231,8 @@ class Supervisor:
     def mark_down(self, rank: int) -> None:
         """Say in rank's status file that its process is dead: its peers do not wait for it to reappear at a restarted
         lighthouse (FtMembership.members_gone)."""
-        write_replica_status(self.out, rank, "down")
-        self.observed[rank] = ["down"]
+        write_replica_status(self.out, rank, DOWN)
+        self.observed[rank] = [DOWN]
 
     def restart_after(self, rank: int, seconds: float) -> None:
         """Restart rank (killed) after `seconds`, as a node replaced."""
@@ -356,7 +270,7 @@ class Supervisor:
                 proc.wait()
         self.mark_down(rank)
         self.stalled.pop(rank, None)
-        what = f"process {dead} died ({_how(code)}); its group killed" if self.group_size > 1 else _how(code)
+        what = f"process {dead} died ({how(code)}); its group killed" if self.group_size > 1 else how(code)
         self.log(f"rank {rank} down: {what}", kind="down", rank=rank, process=dead, code=code, unplanned=unplanned,
                  step=self.committed())
 
@@ -386,7 +300,7 @@ class Supervisor:
             back = {r for r in self.rejoining if statuses.get(r) in TRAINING}
             for r in back:
                 self.progress.healed(r, self.committed())
-            self.rejoining = {r for r in self.rejoining if r in self.procs and statuses.get(r) not in (*TRAINING, "finished")}
+            self.rejoining = {r for r in self.rejoining if r in self.procs and statuses.get(r) not in (*TRAINING, FINISHED)}
             line = self.progress.line(self.committed(), len(self.training()), n)
             if line:
                 self.log(line)
@@ -421,14 +335,12 @@ class Supervisor:
                     else:
                         self.restart_lighthouse(k.seconds)
                 continue
-            healing = statuses.get(k.rank, [""])[0] == "healing"
+            healing = statuses.get(k.rank, [""])[0] == HEALING
             if not k.done and k.rank in self.procs and (
                     (k.at_step is not None and step >= k.at_step) or (k.at_step is None and healing)):
                 self.kill(k.rank, "while healing" if k.at_step is None else f"scheduled at step {k.at_step}", k.process)
-                k.done = True
-            due = ((k.restart_step is not None and step >= k.restart_step) or
-                   (k.restart_at is not None and now >= k.restart_at))
-            if k.done and not k.restarted and due and k.rank not in self.procs:
+                k.fired(now)
+            if k.done and not k.restarted and k.restart_due(step, now) and k.rank not in self.procs:
                 if step < steps and self.procs:
                     if step > self.first_step:
                         self.start(k.rank, "restart after a kill")
@@ -446,8 +358,8 @@ class Supervisor:
             self.lighthouse.restart()
             self.lighthouse_back_at = None
             self.log("lighthouse restarted on the same address", kind="lighthouse", what="restarted", step=step)
-        elif self.lighthouse_back_at is None and not self.lighthouse_down and self.lighthouse.proc.poll() is not None:
-            self.log(f"the lighthouse died (exit status {self.lighthouse.proc.returncode}, see {self.lighthouse.log}); "
+        elif self.lighthouse_back_at is None and not self.lighthouse_down and self.lighthouse.died() is not None:
+            self.log(f"the lighthouse died (exit status {self.lighthouse.died()}, see {self.lighthouse.log}); "
                      "restarted on the same address", kind="lighthouse", what="died", step=step)
             self.lighthouse.restart()
         if self.chaos is not None:
@@ -462,12 +374,12 @@ class Supervisor:
                     self.furthest = max(self.furthest, steps)
                 continue
             j, code = dead[0], codes[dead[0]]
-            if code in (BAD_INPUT, CANNOT_GO_ON):
+            if exit_kind(code) == "stopped":
                 self.log(f"rank {r} exited with status {code}", kind="exit", rank=r, process=j, code=code)
                 self.stop_with(r, code, j)  # bad input, or it cannot go on: the others would follow
             planned = any(k.rank == r and k.done and not k.restarted for k in self.kills)
             self.take_down(r, j, code, unplanned=not planned)
-            if code > 0:  # a crash (a CUDA or NCCL error, an exception): restarted within the budget
+            if exit_kind(code) == "crashed":  # a CUDA or NCCL error, an exception: restarted within the budget
                 self.crashes[r] = self.crashes.get(r, 0) + 1
                 self.log(f"rank {r} crashed ({self.line_of(r, j)}); restart {self.crashes[r]} of {self.max_restarts}",
                          kind="crash", rank=r, process=j, code=code, line=self.line_of(r, j))
@@ -528,10 +440,6 @@ class Supervisor:
             self.forks = None
 
 
-def _how(code: int) -> str:
-    return f"killed by signal {-code}" if code < 0 else f"exit status {code}"
-
-
 def _log_name(rank: int, process: int) -> str:
     """A replica's log: rank<r>.log, and rank<r>.<j>.log for process j > 0 of its group."""
     return f"rank{rank}.log" if process == 0 else f"rank{rank}.{process}.log"
@@ -553,56 +461,8 @@ def kill_plan(schedule: failures.Schedule, explicit: list[str], n: int,
     for r in sorted(down0):  # down from the start: started at its recovery step
         back = next((t for t in range(1, len(failed)) if r not in failed[t]), None)
         kills.append(Kill(r, 0, back, done=True))
-    for spec in explicit:
-        parts = spec.split(":")
-        if parts[0] == "lighthouse":
-            try:
-                at, down = int(parts[1]), float(parts[2]) if len(parts) == 3 else None
-                if len(parts) not in (2, 3) or at < 1 or (down is not None and not (math.isfinite(down) and down >= 0)):
-                    raise ValueError
-            except (ValueError, IndexError):
-                raise UsageError(f"--kill {spec!r}: expected lighthouse:STEP[:SECONDS] (STEP >= 1; restarted after "
-                                 "SECONDS, never without)") from None
-            kills.append(Kill(None, at, None, what="lighthouse", seconds=down))
-            continue
-        try:
-            who, _, process = parts[0].partition("/")
-            rank = int(who)
-            if len(parts) == 2 and parts[1] == "heal":
-                kills.append(Kill(rank, None, 0))
-            elif len(parts) in (2, 3):
-                kills.append(Kill(rank, int(parts[1]), int(parts[2]) if len(parts) == 3 else None))
-            else:
-                raise ValueError
-            kills[-1].process = int(process) if process else None
-        except ValueError:
-            raise UsageError(f"--kill {spec!r}: expected RANK[/PROCESS]:STEP[:RESTART_STEP] or RANK[/PROCESS]:heal") from None
-        if not 0 <= rank < n:
-            raise UsageError(f"--kill {spec!r}: rank must be in 0..{n - 1}")
-        if kills[-1].process is not None and not 0 <= kills[-1].process < group_size:
-            raise UsageError(f"--kill {spec!r}: the process must be in 0..{group_size - 1} (--group_size {group_size})")
-        k = kills[-1]
-        if k.at_step is not None and (k.at_step < 1 or (k.restart_step is not None and k.restart_step <= k.at_step)):
-            raise UsageError(f"--kill {spec!r}: STEP must be at least 1 and RESTART_STEP after it")
+    kills += [parse_kill(spec, n, group_size) for spec in explicit]
     return kills, down0
-
-
-def stall_plan(specs: list[str], n: int) -> list[Kill]:
-    """--stall RANK:STEP:SECONDS: SIGSTOP rank's processes once STEP is committed, SIGCONT SECONDS later (SECONDS
-    `end`: once every other replica has ended, a stall that outlasts the run)."""
-    stalls = []
-    for spec in specs:
-        try:
-            rank, at, seconds = spec.split(":")
-            stalls.append(Kill(int(rank), int(at), None, what="stall", seconds=math.inf if seconds == "end" else float(seconds)))
-        except ValueError:
-            raise UsageError(f"--stall {spec!r}: expected RANK:STEP:SECONDS or RANK:STEP:end") from None
-        k = stalls[-1]
-        if not (0 <= k.rank < n and k.at_step >= 1 and not math.isnan(k.seconds) and k.seconds > 0) or (
-                math.isinf(k.seconds) and seconds != "end"):
-            raise UsageError(f"--stall {spec!r}: the rank must be in 0..{n - 1}, STEP at least 1, SECONDS positive "
-                             "(or end)")
-    return stalls
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -613,7 +473,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config")
     parser.add_argument("--out", required=True)
     parser.add_argument("--kill", action="append", default=[],
-                        help="RANK:STEP (killed for good), RANK:STEP:RESTART_STEP, or RANK:heal (killed while healing, restarted); "
+                        help=f"{KILL_GRAMMAR}; "
                              "RANK/PROCESS:...: one process of the rank's replica group (the group goes down with it); "
                              "lighthouse:STEP[:SECONDS]: the lighthouse killed, a new one started after SECONDS (never without)")
     parser.add_argument("--stall", action="append", default=[],
@@ -701,7 +561,7 @@ def main(argv: list[str] | None = None, restore_signals: bool = True) -> int:
                                  "and CUDA does not survive a fork); drop it")
             schedule = failures.for_run(cfg)
             kills, down0 = kill_plan(schedule, args.kill, cc.ranks, args.group_size)
-            kills += stall_plan(args.stall, cc.ranks)
+            kills += [parse_stall(spec, cc.ranks) for spec in args.stall]
             # everything else is checked: only now is the run folder read and written, under its lock (a resume cuts
             # the replicas' rows back to the checkpoint: never while another launch writes them)
             made = missing_folders(out)
@@ -736,17 +596,16 @@ def main(argv: list[str] | None = None, restore_signals: bool = True) -> int:
                       f"python -m mecefo.launch --out {out} --merge", flush=True)
                 return 0
             os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum at info
-            lighthouse = Lighthouse(out)
+            lighthouse = Lighthouse(out / "lighthouse.log")
             punisher = chaos.Punisher(*punisher_args, args.group_size, cfg.train.steps) if punisher_args else None
             supervisor = Supervisor(cfg, out, lighthouse, kills, args.min_step_s, args.quiet, furthest=start_step,
                                     group_size=args.group_size, max_restarts=args.max_restarts, chaos=punisher,
                                     fork_server=(device.type == "cpu" if args.fork_server is None else args.fork_server)
-                                    and become_subreaper())
+                                    and become_subreaper(),  # the run's events so far (a resumed run), then this launch's
+                                    event_log=EventLog(out, "launch", fresh=not decision["started"]))
             supervisor.gpus = gpus
             supervisor.tensorboard = Path(trainer_flags.tensorboard) if trainer_flags.tensorboard else None
-            if decision["started"]:  # the run's events so far (a launch that stopped wrote them), then this launch's
-                earlier = out / "events.json"
-                supervisor.events = json.loads(earlier.read_text())["events"] if earlier.exists() else []
+            if decision["started"]:
                 supervisor.log(f"resumed from the checkpoint of step {start_step}", kind="resume", step=start_step)
             def on_signal(*_):  # Ctrl-C, a closed terminal, a scheduler's stop: all end the launch the same way
                 if supervisor.polling:
@@ -757,7 +616,7 @@ def main(argv: list[str] | None = None, restore_signals: bool = True) -> int:
             for sig in signals:  # (SIGINT too where it was inherited ignored, as in a background job)
                 signal.signal(sig, on_signal)
             supervisor.run(down0)
-            summary = merge(out, cfg, supervisor.events, supervisor.t0)
+            summary = merge(out, cfg, read_events(out), supervisor.t0)
             merged = True
             t, missing = summary["backend"]["timings"], summary["backend"]["not_rejoined"]
             left = summary["backend"]["left_behind"]
@@ -796,9 +655,8 @@ def merge_by_hand(out: Path, other_flags) -> int:
     if other_flags:
         raise UsageError("--merge takes only --out (the run's config is the one in DIR/config.json)")
     cfg = config_mod.build(read_config(out, "mecefo.launch --prepare"))
-    from .slurm import events  # (the node supervisors' starts, kills and deaths, where mecefo.slurm ran the replicas)
-
-    summary = merge(out, cfg, events(out))
+    summary = merge(out, cfg, read_events(out))  # (the node supervisors' starts, kills and deaths, where mecefo.slurm
+    # ran the replicas; none where they were started by hand)
     t = summary["backend"]["timings"]
     print(f"merged {cfg.cluster.ranks} replicas' records: val loss {summary['final_val_loss']:.4f}; "
           f"{summary['backend']['kills']} kills; kill -> next step {_fmt(t['kill_to_step_s'])} s, restart -> rejoin "

@@ -29,13 +29,11 @@ holds its keys.
 
 from __future__ import annotations
 
-import re
 import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass
 from datetime import timedelta
 
+from . import torchft_private as private
+from .lighthouse import Status, read_status  # noqa: F401 (Status: the view read_status returns)
 from .records import stable_hash
 
 POLL_S = 0.005  # between checks of the store for the members' arrival
@@ -58,43 +56,6 @@ RENDEZVOUS_S = 5.0
 # until the lighthouse counts that host dead. With 1 s tries (torch's client retries within a try), a survivor
 # saw the death 1.6 s after the kill instead of 0.5 s (the chaos harness's kill -> next step tail).
 CONNECT_S = 0.25
-
-
-@dataclass(frozen=True)
-class Status:
-    """The lighthouse's view (its status page): seconds since each replica's last heartbeat, the replicas it
-    counts dead (heartbeat older than its timeout), the current quorum id and seconds since the last quorum."""
-
-    heartbeats: dict
-    dead: frozenset
-    quorum_id: int
-    quorum_age_s: float | None
-    max_step: int | None  # the highest step among the last quorum's members (None: no quorum yet)
-
-
-_HEARTBEAT = re.compile(r'<li class="heartbeat\s*(old)?\s*">\s*(\S+): seen ([0-9.]+)s ago')
-_QUORUM_ID = re.compile(r"Current quorum_id: (\d+)")
-_QUORUM_AGE = re.compile(r"Quorum age:\s*([0-9.]+)s")
-_MEMBER_STEP = re.compile(r"Step: (-?\d+)")
-
-
-def parse_status(html: str) -> Status:
-    """torchft 0.2.0's status page (templates/status.html) as a Status."""
-    beats = {m.group(2): float(m.group(3)) for m in _HEARTBEAT.finditer(html)}
-    dead = frozenset(m.group(2) for m in _HEARTBEAT.finditer(html) if m.group(1))
-    qid, age = _QUORUM_ID.search(html), _QUORUM_AGE.search(html)
-    steps = [int(m.group(1)) for m in _MEMBER_STEP.finditer(html)]
-    return Status(beats, dead, int(qid.group(1)) if qid else 0, float(age.group(1)) if age else None,
-                  max(steps) if steps else None)
-
-
-def read_status(lighthouse: str, timeout_s: float = 1.0) -> Status | None:
-    """The lighthouse's view, or None if it cannot be reached (down, restarting, another server)."""
-    try:
-        with urllib.request.urlopen(lighthouse.rstrip("/") + "/status", timeout=timeout_s) as r:
-            return parse_status(r.read().decode("utf-8", "replace"))
-    except (OSError, urllib.error.URLError, ValueError):
-        return None
 
 
 class Awake:
@@ -169,13 +130,13 @@ class QuorumRecorder:
     process group's configure is not given."""
 
     def __init__(self, client, after=None, manager=None):
-        self._client, self.last, self.after = client, None, after  # after(result): a hook (the tests' faults)
+        self.inner, self.last, self.after = client, None, after  # after(result): a hook (the tests' faults)
         self.at = time.monotonic()  # when the last quorum returned
         self.manager = manager  # the torchft Manager whose client this is (set by the backend once it exists)
         self.configured = None  # the members of the process group last configured (set by its configure)
 
     def _quorum(self, *args, **kwargs):
-        result = self._client._quorum(*args, **kwargs)
+        result = private.ask_quorum(self.inner, *args, **kwargs)
         self.refuse_from_a_restarted_lighthouse(result)
         self.reconfigure_a_repeated_id(result)
         self.last, self.at = result, time.monotonic()
@@ -218,14 +179,14 @@ class QuorumRecorder:
           not restart, such a quorum always has a new id (a member joined, or failed to commit), so this costs nothing;
         - its members are not those of the group this replica last built (the same id for other members)."""
         manager = self.manager
-        if manager is None or result.quorum_id != manager._quorum_id:
+        if manager is None or result.quorum_id != private.quorum_id(manager):
             return  # torchft builds a new group anyway
         behind = result.max_world_size < result.replica_world_size
         if behind or (self.configured is not None and sorted(result.replica_ids) != self.configured):
-            manager._quorum_id = -1
+            private.forget_process_group(manager)
 
     def __getattr__(self, name):
-        return getattr(self._client, name)
+        return getattr(self.inner, name)
 
 
 class _ArrivalChecked:
@@ -247,17 +208,16 @@ class _ArrivalChecked:
         self.session = stable_hash([quorum_id, last.max_step if last else None, members])  # (mecefo.heal binds its
         self.member_rank = rank  # MACs to the quorum and the ranks: the same session in every member)
         store_addr = f"{store_addr}/mecefo-{self.session}"
-        arrive(store_addr, rank, world_size, Watch(self.lighthouse, members, quorum_id), self._timeout.total_seconds())
-        long, short = self._timeout, timedelta(seconds=min(RENDEZVOUS_S, self._timeout.total_seconds()))
-        self._timeout = short if self.rendezvous_timeout_applies else long
+        long = private.group_timeout(self)
+        arrive(store_addr, rank, world_size, Watch(self.lighthouse, members, quorum_id), long.total_seconds())
+        short = timedelta(seconds=min(RENDEZVOUS_S, long.total_seconds()))
+        private.set_group_timeout(self, short if self.rendezvous_timeout_applies else long)
         try:
             super().configure(store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks)
         finally:
-            self._timeout = long
+            private.set_group_timeout(self, long)
         if self.rendezvous_timeout_applies:
-            import torch
-
-            self._pg._get_backend(torch.device("cpu"))._set_default_timeout(long)  # the collectives' timeout
+            private.set_collective_timeout(self, long)  # the collectives' timeout
 
 
 def process_group(device_type: str, timeout: timedelta):
@@ -338,10 +298,8 @@ def wait_for_quorum(manager, lighthouse: str, stall_s: float, try_s: float, reco
         try:
             manager.start_quorum(timeout=timedelta(seconds=try_s))
         except (RuntimeError, TimeoutError) as e:
-            future = manager._quorum_future
-            if future is None or not future.done() or future.exception() is None:
+            if not private.drop_failed_quorum(manager):  # (torchft would raise it again at the next start_quorum)
                 raise  # the quorum itself succeeded: applying what it brought failed
-            manager._quorum_future = None  # torchft would raise this failed quorum again at the next start_quorum
             error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if (error is None) if agree is None else agree(error is None):
             return

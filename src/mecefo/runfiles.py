@@ -81,11 +81,24 @@ def read_config(out: Path, who: str) -> dict:
 
 # ---- the replica status files: OUT/replicas/rank<r>.status, "<what> [<step>] <unix time>", one line, written whole
 # by the replica (its group's process 0: mecefo.ft.ReplicaFiles) and by the launcher (starting, down), read by both
-TRAINING = ("step", "evaluating", "checkpointing")  # the statuses of a replica that trains (status word, then its step)
+# The replica status words, the one list of them (OUT/replicas/rank<r>.status: the word, the step where it has one,
+# the time). A replica writes all but DOWN; its supervisor writes STARTING before it starts one and DOWN once it is dead.
+STARTING = "starting"  # its process is starting (imports, the group's rendezvous)
+WAITING = "waiting"  # in quorums without training: the run's first replicas, or a restarted one before its heal
+HEALING = "healing"  # applying the state a live peer sent
+STEP = "step"  # "step S": committed step S
+EVALUATING = "evaluating"  # "evaluating S"
+CHECKPOINTING = "checkpointing"  # "checkpointing S"
+BEHIND = "behind"  # "behind S": woke behind the run, waits to heal from a live peer ahead
+LEFT = "left"  # "left S": woke after the run had finished without it; stopped without training
+FINISHED = "finished"  # done with the run
+DOWN = "down"  # its process is dead (written by its supervisor)
+TRAINING = (STEP, EVALUATING, CHECKPOINTING)  # the statuses of a replica that trains (status word, then its step)
 # the statuses of a rank whose process holds none of the run's current state: dead (down), not yet healed (starting,
 # waiting), behind the run (behind: it waits to heal from a live peer ahead; left: it woke after the run had finished),
 # or done (finished)
-HOLDS_NONE = ("down", "starting", "waiting", "behind", "left", "finished")
+HOLDS_NONE = (DOWN, STARTING, WAITING, BEHIND, LEFT, FINISHED)
+
 
 def replica_status_path(out: Path, rank: int) -> Path:
     return Path(out) / "replicas" / f"rank{rank}.status"

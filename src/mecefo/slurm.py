@@ -4,29 +4,29 @@ through submitit.
 
     python -m mecefo.slurm lighthouse --port 29510 &                          # on the batch host (the first node)
     python -m mecefo.slurm node --out DIR --lighthouse http://HEAD:29510        # srun: once per node
-    python -m mecefo.slurm watch --out DIR [--kill 1:200:30] [--chaos 7:0.5]   # on the batch host, in the background
+    python -m mecefo.slurm watch --out DIR [--kill 1:200:30s] [--chaos 7:0.5]  # on the batch host, in the background
     python -m mecefo.slurm submit --out DIR --nodes 4 --gpus_per_node 8 [--partition P] -- TRAINER FLAGS
 
-`lighthouse` runs torchft's lighthouse with the launcher's settings (mecefo.launch), listening on every interface:
-the other nodes reach it at the first node's hostname. It is the job's single point of failure: if it dies, the
-replicas wait for it (MECEFO_FT_STALL_S, 90 s) and then stop (exit 3); the same job submitted again continues.
+`lighthouse` runs torchft's lighthouse with our settings (mecefo.lighthouse), listening on every interface: the other
+nodes reach it at the first node's hostname. It is the job's single point of failure: if it dies, the replicas wait
+for it (MECEFO_FT_STALL_S, 90 s) and then stop (exit 3); the same job submitted again continues.
 
 `node` is the supervisor of one node: it starts the node's replica, rank SLURM_NODEID (`python -m mecefo.ft`, or with
 --shard fsdp a replica group of --group_size processes under torchrun, one per GPU of the node), and when the
-replica dies it starts it again with --rejoin (it heals from a live peer): at once after a kill (the injector's,
-an OOM killer's, anyone's signal), and after a crash (any other exit but 0, 2 and 3) up to --max_restarts times.
-It ends with the replica's own status: 0 finished, 2 bad input, 3 cannot go on (every replica dead: submit the
-same job again and it continues from the last checkpoint). Other nodes reach this node's servers at its hostname
-(MECEFO_FT_HOST, unless set).
+replica dies it starts it again with --rejoin (it heals from a live peer): at once after anyone's signal (an OOM
+killer's, say), and after a crash (any other exit but 0, 2 and 3) up to --max_restarts times; after the injector's
+kill, when the kill says (mecefo.supervise's grammar: never, at a step, after seconds). It ends with the replica's
+own status: 0 finished, 2 bad input, 3 cannot go on (every replica dead: submit the same job again and it continues
+from the last checkpoint). Other nodes reach this node's servers at its hostname (MECEFO_FT_HOST, unless set).
 
 `watch` prints the run's progress line (mecefo.progress: step, ranks training, last heal, ETA) every
-MECEFO_PROGRESS_S seconds, and is the failure injector: it kills nodes' replica groups as a node failure would
-(SIGKILL to every process of the group): at committed steps (--kill NODE:STEP[:SECONDS], restarted after SECONDS,
-default 0; each fires once per run, a job submitted again included) and at random (--chaos SEED[:RATE], RATE per
-minute, a uniformly drawn node among those training, never the last, restarted after U(0, 2) s, until the last 30%
-of the steps). A kill is a file OUT/slurm/kill-node<R> that node R's supervisor acts on (the injector needs no
-access to the other nodes, only to the run folder they share). Its injections and resumes are lines of
-OUT/slurm/events-watch.jsonl; each node supervisor's starts, kills and deaths, of events-node<R>.jsonl.
+MECEFO_PROGRESS_S seconds, and is the failure injector: --kill and --stall in mecefo.supervise's grammar (a node's
+whole replica group: RANK/PROCESS and the lighthouse are mecefo.launch's alone; each --kill fires once per run, a job
+submitted again included), and --chaos SEED[:RATE], drawn by mecefo.chaos's generator from the kinds a node's
+supervisor can fire (INJECTABLE: every kind but killing one process of a group and the lighthouse, and `all`). An
+injection is an order, a file OUT/slurm/order-node<R> that node R's supervisor acts on (the injector needs no access
+to the other nodes, only to the run folder they share). Every program logs its events in OUT/events/
+(mecefo.supervise: node<R>.jsonl, watch.jsonl).
 """
 
 from __future__ import annotations
@@ -34,55 +34,54 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
-import random
 import signal
 import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import chaos
 from . import config as config_mod
-from .errors import BAD_INPUT, CANNOT_GO_ON, UsageError, guarded
+from . import lighthouse as lighthouse_mod
+from .errors import CANNOT_GO_ON, UsageError, guarded
+from .ft import exit_path
 from .processes import die_with_parent
 from .progress import ProgressLine
 from .records import atomic_write_text, read_rows
-from .ft import exit_path
-from .runfiles import TRAINING, read_config, read_replica_status
+from .runfiles import DOWN, FINISHED, HEALING, LEFT, STARTING, STEP, TRAINING, read_config, write_replica_status
+from .supervise import EventLog, committed_step, exit_kind, parse_kill, parse_stall, read_statuses, replica_env
 
 POLL_S = 0.05
-LIGHTHOUSE_PORT = 29510
 LIGHTHOUSE_WAIT_S = 120.0  # a node waits this long for the lighthouse to answer before its replica starts
 RUN_OVER_S = 30.0  # a replica still rejoining this long after every other replica finished is given up
+# the chaos kinds a node's supervisor can fire on an order (mecefo.chaos.KINDS): not one process of a group (torchrun
+# owns them), not the lighthouse (the batch script owns it), not `all` (the job would end: resubmitting is by hand)
+INJECTABLE = frozenset({"kill", "multi_kill", "kill_healing", "kill_writer", "kill_store", "kill_checkpoint", "external",
+                        "stall", "long_stall", "stall_past_end"})
+GONE = (DOWN, FINISHED, LEFT)  # statuses of a rank whose process does not run
 
 
 def slurm_dir(out: Path) -> Path:
     return out / "slurm"
 
 
-def record(out: Path, who: str, **event) -> None:
-    """One line of OUT/slurm/events-<who>.jsonl: a file per writer (node<R>, watch), as appends from several nodes to
-    one file on a network file system can interleave."""
-    slurm_dir(out).mkdir(parents=True, exist_ok=True)
-    with open(slurm_dir(out) / f"events-{who}.jsonl", "a") as f:
-        f.write(json.dumps({"time": time.time(), **event}) + "\n")
+def order_path(out: Path, node: int) -> Path:
+    """OUT/slurm/order-node<R>: what the injector asks node R's supervisor to do (JSON: what, why, restart, seconds)."""
+    return slurm_dir(out) / f"order-node{node}"
 
 
-def kill_request(out: Path, node: int) -> Path:
-    return slurm_dir(out) / f"kill-node{node}"
+def run_config(out: Path):
+    return config_mod.build(read_config(out, "mecefo.launch --prepare"))
 
 
-def committed(out: Path, ranks: int) -> tuple[int, list[str]]:
-    """The furthest committed step over the replicas' status files, and each replica's status word."""
-    furthest, words = 0, []
-    for r in range(ranks):
-        status = read_replica_status(out, r) or ["none"]
-        words.append(status[0])
-        if status[0] in TRAINING and status[1].isdigit():
-            furthest = max(furthest, int(status[1]))
-    return furthest, words
+def committed(out: Path, ranks: int, steps: int) -> tuple[int, list[str]]:
+    """The furthest committed step over the replicas' status files, and each replica's status word ("none": none)."""
+    statuses = read_statuses(out, ranks)
+    return committed_step(statuses, steps), [statuses.get(r, ["none"])[0] for r in range(ranks)]
 
 
 def replica_command(out: Path, rank: int, lighthouse: str, group_size: int, shard: str, wait_for: int, rejoin: bool,
@@ -112,30 +111,110 @@ def node_gpus(environ=os.environ) -> int:
     return max(len(listed), 1)
 
 
-def lighthouse_command(port: int) -> list[str]:
-    from .launch import HEARTBEAT_TIMEOUT_MS, JOIN_TIMEOUT_MS, _lighthouse_binary
-
-    return [_lighthouse_binary(), "--bind", f"[::]:{port}", "--min_replicas", "1", "--join_timeout_ms",
-            str(JOIN_TIMEOUT_MS), "--quorum_tick_ms", "20", "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS)]
-
-
 def wait_for_lighthouse(lighthouse: str, seconds: float = LIGHTHOUSE_WAIT_S) -> None:
-    from .errors import TrainingStopped
-    from .liveness import read_status
+    lighthouse_mod.wait_until_up(lighthouse, seconds,
+                                 where=" (is it running on the first node, and its port open between the nodes?)")
 
-    deadline = time.monotonic() + seconds
-    while read_status(lighthouse, timeout_s=1.0) is None:
-        if time.monotonic() > deadline:
-            raise TrainingStopped(f"the lighthouse at {lighthouse} did not answer for {seconds:g} s (is it running on "
-                                  "the first node, and its port open between the nodes?)")
-        time.sleep(0.2)
+
+def take_order(path: Path) -> dict | None:
+    """The injector's order for this node, once (the file is removed); None if there is none."""
+    try:
+        order = json.loads(path.read_text() or "{}")
+    except (OSError, ValueError):
+        return None
+    path.unlink(missing_ok=True)
+    return order
+
+
+class Node:
+    """One node's supervisor (see the module's docstring): its replica group's process, the orders it acts on, and
+    its events (OUT/events/node<R>.jsonl)."""
+
+    def __init__(self, out: Path, rank: int, cfg, say_prefix: str):
+        self.out, self.rank, self.cfg, self.ranks = out, rank, cfg, cfg.cluster.ranks
+        self.log, self.t0, self.prefix = EventLog(out, f"node{rank}"), time.time(), say_prefix
+        self.proc, self.stalled_until = None, None
+
+    def say(self, msg: str, **event) -> None:
+        print(f"[{self.prefix} {time.time() - self.t0:8.2f}s] {msg}", flush=True)
+        if event:
+            self.log.record(node=self.rank, **event)
+
+    def progress(self) -> tuple[int, list[str]]:
+        return committed(self.out, self.ranks, self.cfg.train.steps)
+
+    def others(self) -> list[str]:
+        return [w for r, w in enumerate(self.progress()[1]) if r != self.rank]
+
+    def run_over(self) -> bool:
+        """Every other replica has finished the run."""
+        others = self.others()
+        return bool(others) and all(w == FINISHED for w in others)
+
+    def signal(self, sig: int) -> None:
+        """A signal to every process of the replica group (a session of its own: a node lost, stopped or resumed)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
+
+    def act(self, order: dict) -> dict | None:
+        """Carry out the injector's order; the order if it killed the replica (its restart says when it comes back)."""
+        step, why = self.progress()[0], order.get("why", "injector")
+        if order.get("what") == "stall":
+            seconds = order.get("seconds")
+            self.signal(signal.SIGSTOP)
+            self.stalled_until = time.monotonic() + seconds if seconds is not None else math.inf
+            self.say(f"replica {self.rank} stopped " + (f"for {seconds:g} s" if seconds is not None else
+                                                       "until every other replica has ended") + f" ({why})",
+                     kind="stall", rank=self.rank, seconds=seconds, why=why, step=step)
+            return None
+        self.signal(signal.SIGKILL)  # every process of the group: a node lost
+        if order.get("what") == "external":  # behind the plan (as an OOM killer would): seen as a death
+            return None
+        self.proc.wait()
+        write_replica_status(self.out, self.rank, DOWN)  # its peers do not wait for it (FtMembership.members_gone)
+        self.log.record(node=self.rank, kind="kill", rank=self.rank, why=why, step=step)  # (the launcher's event
+        return order  # names: the merge's recovery timings)
+
+    def wake(self) -> None:
+        """SIGCONT a stalled group when its stall is over (a stall past the end: once every other replica ended)."""
+        if self.stalled_until is None:
+            return
+        if time.monotonic() >= self.stalled_until or (math.isinf(self.stalled_until) and all(w in GONE for w in self.others())):
+            self.signal(signal.SIGCONT)
+            self.stalled_until = None
+            self.say(f"replica {self.rank} goes on", kind="stall_end", rank=self.rank, step=self.progress()[0])
+
+    def wait_for_restart(self, restart: dict | None) -> int | None:
+        """After a kill: wait for its restart (after seconds, once a step is committed, or never); an exit status
+        (0: the run finished without it; 3: every replica is down, nobody left to heal it) if it is not restarted."""
+        if restart is not None and "after_s" in restart:
+            self.say(f"replica {self.rank} killed by the injector; restarting in {restart['after_s']:g} s")
+            time.sleep(restart["after_s"])
+            return None
+        self.say(f"replica {self.rank} killed by the injector; " + (f"restarted once step {restart['at_step']} is "
+                 "committed" if restart is not None else "not restarted"))
+        nobody_since = None
+        while restart is None or self.progress()[0] < restart["at_step"]:
+            others = self.others()
+            if others and all(w == FINISHED for w in others):
+                self.say(f"the run finished without replica {self.rank}", kind="not_rejoined")
+                return 0
+            if all(w in GONE + ("none",) for w in others):
+                nobody_since = nobody_since or time.monotonic()
+                if time.monotonic() - nobody_since > RUN_OVER_S:
+                    self.say(f"every replica is down: node {self.rank} stops", kind="stopped", code=CANNOT_GO_ON)
+                    return CANNOT_GO_ON
+            else:
+                nobody_since = None
+            time.sleep(POLL_S)
+        return None
 
 
 def node(out: Path, rank: int, lighthouse: str, group_size: int | None, max_restarts: int, min_step_s: float = 0.0,
          tensorboard: str | None = None) -> int:
     """One node's supervisor (see the module's docstring); returns its exit status. group_size None: the node's GPUs
     (SLURM_GPUS_ON_NODE) with --shard fsdp, else 1."""
-    cfg = config_mod.build(read_config(out, "mecefo.launch --prepare"))
+    cfg = run_config(out)
     ranks = cfg.cluster.ranks
     if not 0 <= rank < ranks:
         raise UsageError(f"node {rank}: the run in {out} has {ranks} ranks (cluster.ranks), one per node; "
@@ -144,126 +223,166 @@ def node(out: Path, rank: int, lighthouse: str, group_size: int | None, max_rest
         group_size = node_gpus() if cfg.cluster.shard == "fsdp" else 1
     wait_for_lighthouse(lighthouse)
     host = os.environ.get("MECEFO_FT_HOST") or socket.gethostname()
-    env = {**os.environ, "MECEFO_FT_HOST": host}
-    for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):  # Slurm's or a caller's torchrun
-        env.pop(k, None)
-    t0, crashes, rejoin, why = time.time(), 0, False, "initial"
-    request = kill_request(out, rank)
-    request.unlink(missing_ok=True)
-
-    current = [None]  # the replica group's leader process, while it runs
+    env = replica_env() | {"MECEFO_FT_HOST": host}  # (less Slurm's or a caller's torchrun)
+    sup, crashes, rejoin, why = Node(out, rank, cfg, f"node {rank}"), 0, False, "initial"
+    orders = order_path(out, rank)
+    orders.unlink(missing_ok=True)
 
     def stop(signum, _frame):  # scancel, the time limit, Ctrl-C: the replica group goes down with its supervisor
-        if current[0] is not None and current[0].poll() is None:
-            os.killpg(current[0].pid, signal.SIGKILL)
-            current[0].wait()
+        if sup.proc is not None and sup.proc.poll() is None:
+            sup.signal(signal.SIGKILL)
+            sup.proc.wait()
         raise KeyboardInterrupt
 
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, stop)
 
-    def say(msg: str, **event) -> None:
-        print(f"[node {rank} {time.time() - t0:8.2f}s] {msg}", flush=True)
-        if event:
-            record(out, f"node{rank}", node=rank, **event)
-
     stopped_with = exit_path(out, rank)
     while True:
         stopped_with.unlink(missing_ok=True)
-        log = open(out / "replicas" / f"node{rank}.log", "a")
-        proc = subprocess.Popen(replica_command(out, rank, lighthouse, group_size, cfg.cluster.shard, ranks, rejoin,
-                                                host, min_step_s, tensorboard),
-                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                preexec_fn=die_with_parent)  # (a supervisor SIGKILLed takes its replica along)
-        log.close()
-        current[0] = proc
-        say(f"started replica {rank} (pid {proc.pid}, {group_size} process{'es' if group_size > 1 else ''}"
-            f"{', rejoining' if rejoin else ''})", kind="start", rank=rank,
-            why=why, step=committed(out, ranks)[0])
-        killed_for, gone_since = None, None
-        while (code := proc.poll()) is None:
-            if request.exists():
-                order = json.loads(request.read_text() or "{}")
-                killed_for = float(order.get("restart_after_s", 0.0))
-                os.killpg(proc.pid, signal.SIGKILL)  # every process of the group: a node lost
-                record(out, f"node{rank}", node=rank, kind="kill", rank=rank, why=order.get("why", "injector"),
-                       step=committed(out, ranks)[0])  # (the launcher's event names: the merge's recovery timings)
-                proc.wait()
-                request.unlink(missing_ok=True)
-                code = proc.returncode
+        write_replica_status(out, rank, STARTING)  # (not the dead one's)
+        with open(out / "replicas" / f"node{rank}.log", "a") as log:
+            sup.proc = subprocess.Popen(replica_command(out, rank, lighthouse, group_size, cfg.cluster.shard, ranks,
+                                                        rejoin, host, min_step_s, tensorboard),
+                                        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                        preexec_fn=die_with_parent)  # (a supervisor SIGKILLed takes its replica along)
+        sup.stalled_until = None
+        sup.say(f"started replica {rank} (pid {sup.proc.pid}, {group_size} process{'es' if group_size > 1 else ''}"
+                f"{', rejoining' if rejoin else ''})", kind="start", rank=rank, why=why, step=sup.progress()[0])
+        killed, gone_since = None, None
+        while (code := sup.proc.poll()) is None:
+            order = take_order(orders) if orders.exists() else None
+            if order is not None and (killed := sup.act(order)) is not None:
+                code = sup.proc.returncode
                 break
-            words = committed(out, ranks)[1]
-            others = [w for r, w in enumerate(words) if r != rank]
-            if others and all(w == "finished" for w in others) and words[rank] not in ("finished", "step"):
+            sup.wake()
+            words = sup.progress()[1]
+            if sup.run_over() and words[rank] not in (FINISHED, STEP):
                 gone_since = gone_since or time.monotonic()
                 if time.monotonic() - gone_since > RUN_OVER_S:  # the run ended while this replica was rejoining
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-                    say(f"the run finished before replica {rank} rejoined ({words[rank]}): stopped", kind="not_rejoined")
+                    sup.signal(signal.SIGKILL)
+                    sup.proc.wait()
+                    sup.say(f"the run finished before replica {rank} rejoined ({words[rank]}): stopped", kind="not_rejoined")
                     return 0
             time.sleep(POLL_S)
-        step = committed(out, ranks)[0]
-        if code not in (0, BAD_INPUT, CANNOT_GO_ON) and stopped_with.exists():  # under torchrun: the replica's own
+        step = sup.progress()[0]
+        if exit_kind(code) != "stopped" and code != 0 and stopped_with.exists():  # under torchrun: the replica's own
             code = int(stopped_with.read_text().strip() or code)  # status (torchrun exits 1 for any worker's failure)
-        if killed_for is not None:
-            say(f"replica {rank} killed by the injector at step {step}; restarting in {killed_for:g} s")
-            time.sleep(killed_for)
+        kind = exit_kind(code)
+        if killed is not None:
+            if (ended := sup.wait_for_restart(killed.get("restart"))) is not None:
+                return ended
             why = "restart after a kill"
-        elif code == 0:
-            say(f"replica {rank} finished", kind="finished")
+        elif kind == "finished":
+            sup.say(f"replica {rank} finished", kind="finished")
             return 0
-        elif code in (BAD_INPUT, CANNOT_GO_ON):
-            say(f"replica {rank} stopped with exit {code} (see {out / 'replicas'}): the node stops too", kind="stopped",
-                code=code)
+        elif kind == "stopped":
+            sup.say(f"replica {rank} stopped with exit {code} (see {out / 'replicas'}): the node stops too", kind="stopped",
+                    code=code)
             return code
-        elif code < 0:
-            say(f"replica {rank} died of signal {-code} at step {step}: restarting", kind="down", rank=rank, code=code,
-                unplanned=True, step=step)
+        elif kind == "killed":
+            sup.say(f"replica {rank} died of signal {-code} at step {step}: restarting", kind="down", rank=rank, code=code,
+                    unplanned=True, step=step)
             why = "restart after a death"
         else:
             crashes += 1
-            record(out, f"node{rank}", node=rank, kind="down", rank=rank, code=code, unplanned=True, step=step)
+            sup.log.record(node=rank, kind="down", rank=rank, code=code, unplanned=True, step=step)
             if crashes > max_restarts:
-                say(f"replica {rank} crashed (exit {code}) {crashes} times: the node stops", kind="crash", rank=rank,
-                    code=code, step=step)
+                sup.say(f"replica {rank} crashed (exit {code}) {crashes} times: the node stops", kind="crash", rank=rank,
+                        code=code, step=step)
                 return code
-            say(f"replica {rank} crashed (exit {code}, crash {crashes} of {max_restarts} allowed): restarting",
-                kind="crash", rank=rank, code=code, step=step)
+            sup.say(f"replica {rank} crashed (exit {code}, crash {crashes} of {max_restarts} allowed): restarting",
+                    kind="crash", rank=rank, code=code, step=step)
             why = "restart after a crash"
-        others = [w for r, w in enumerate(committed(out, ranks)[1]) if r != rank]
-        if others and all(w == "finished" for w in others):
-            say(f"the run has finished: replica {rank} is not restarted", kind="not_rejoined")
+        if sup.run_over():
+            sup.say(f"the run has finished: replica {rank} is not restarted", kind="not_rejoined")
             return 0
         rejoin = True
 
 
-def watch(out: Path, kills: list[tuple[int, int, float]], chaos_spec: str | None, stop_after_s: float | None = None) -> int:
+class Injector:
+    """The watcher's hands, for its --kill and --stall plan and for mecefo.chaos's Punisher (whose supervisor it is):
+    orders written into the run folder (order_path) for the nodes' supervisors, and the view of the run that the
+    replicas' status files give. Orders of one look are written together by flush() (a kill and its restart are one
+    order)."""
+
+    can = INJECTABLE
+
+    def __init__(self, out: Path, ranks: int, steps: int, log: EventLog):
+        self.out, self.ranks, self.steps, self.events = out, ranks, steps, log
+        self.observed, self.pending = {}, {}
+
+    def look(self) -> tuple[int, list[str]]:
+        self.observed = read_statuses(self.out, self.ranks)
+        return self.committed(), [self.observed.get(r, ["none"])[0] for r in range(self.ranks)]
+
+    # the view (mecefo.chaos.Punisher's)
+    def committed(self) -> int:
+        return committed_step(self.observed, self.steps)
+
+    def statuses(self) -> dict[int, str]:
+        return {r: words[0] for r, words in self.observed.items()}
+
+    def ordered(self, rank: int) -> bool:
+        return rank in self.pending or order_path(self.out, rank).exists()
+
+    def training(self) -> list[int]:
+        return sorted(r for r, w in self.statuses().items() if w in TRAINING and not self.ordered(r))
+
+    def alive(self) -> list[int]:
+        return sorted(r for r, w in self.statuses().items() if w not in GONE)
+
+    def has_checkpoint(self) -> bool:
+        return (self.out / "checkpoint").exists()
+
+    def log(self, msg: str, **event) -> None:
+        print(f"[watch] {msg}", flush=True)
+        if event:
+            self.events.record(**event)
+
+    # the verbs
+    def kill(self, rank: int, why: str, process: int | None = None) -> None:
+        self.pending[rank] = {"what": "kill", "why": why, "restart": None}
+
+    def restart_after(self, rank: int, seconds: float) -> None:
+        self.pending[rank]["restart"] = {"after_s": float(seconds)}
+
+    def kill_unplanned(self, rank: int) -> None:
+        self.pending[rank] = {"what": "external", "why": "outside the plan"}
+
+    def stall(self, rank: int, seconds: float) -> None:
+        self.pending[rank] = {"what": "stall", "seconds": None if math.isinf(seconds) else float(seconds), "why": "stall"}
+
+    def flush(self, step: int, at: dict | None = None) -> None:
+        """Write the orders of this look (at: rank -> the --kill/--stall it answers, recorded once per run)."""
+        for rank, order in self.pending.items():
+            atomic_write_text(order_path(self.out, rank), json.dumps(order))
+            mark = (at or {}).get(rank)
+            self.events.record(kind="inject", node=rank, what=order["what"], why=order.get("why"), step=step,
+                               restart=order.get("restart"), **({"at": mark} if mark is not None else {}))
+            print(f"[watch] node {rank}: {order['what']} at step {step} ({order.get('why')})", flush=True)
+        self.pending = {}
+
+
+def watch(out: Path, kills: list[str], stalls: list[str], chaos_spec: str | None, stop_after_s: float | None = None) -> int:
     """The progress line and the failure injector (see the module's docstring); returns 0 when the run has finished."""
-    cfg = config_mod.build(read_config(out, "mecefo.launch --prepare"))
+    cfg = run_config(out)
     ranks, steps = cfg.cluster.ranks, cfg.train.steps
-    for n, _, _ in kills:
-        if not 0 <= n < ranks:
-            raise UsageError(f"--kill {n}:...: the node must be in 0..{ranks - 1}")
-    seed, rate = chaos.parse(chaos_spec) if chaos_spec else (0, 0.0)
-    start = resumed_from(out, ranks)  # a job submitted again: each --kill fires once per run, not once per job
-    fired = {(e["node"], e["at"]) for e in events(out, "watch") if e["kind"] == "inject" and "at" in e}
-    rng, t0 = random.Random(seed), time.monotonic()
-    pending = sorted((k for k in kills if (k[0], k[1]) not in fired), key=lambda k: k[1])
-    next_at = t0 + rng.expovariate(rate / 60) if rate else None
-    slurm_dir(out).mkdir(parents=True, exist_ok=True)
+    plan = [slurm_kill(k, ranks) for k in kills] + [parse_stall(s, ranks) for s in stalls]
+    punisher = chaos.Punisher(*chaos.parse(chaos_spec), 1, steps, can=Injector.can) if chaos_spec else None
+    log = EventLog(out, "watch")
+    fired = {(e["node"], e["at"]) for e in log.events if e["kind"] == "inject" and "at" in e}
+    for k, spec in zip(plan, kills + stalls):  # a job submitted again: each fires once per run, not once per job
+        k.done = (k.rank, spec) in fired
+    start = resumed_from(out, ranks)
     if start:  # (the merge's recovery timings end at a resume: no interval spans two jobs)
-        record(out, "watch", kind="resume", step=start)
+        log.record(kind="resume", step=start)
+    hands = Injector(out, ranks, steps, log)
     progress, heals = ProgressLine(steps), {r: _size(out / "replicas" / f"rank{r}.heals.jsonl") for r in range(ranks)}
-
-    def fire(n: int, seconds: float, why: str, step: int, at: int | None = None) -> None:
-        atomic_write_text(kill_request(out, n), json.dumps({"restart_after_s": seconds, "why": why}))
-        record(out, "watch", kind="inject", node=n, why=why, step=step, restart_after_s=seconds,
-               **({"at": at} if at is not None else {}))
-        print(f"[watch] node {n} killed at step {step} ({why}; restarted after {seconds:.1f} s)", flush=True)
-
+    t0 = time.monotonic()
     while True:
-        step, words = committed(out, ranks)
-        if words and all(w == "finished" for w in words):
+        step, words = hands.look()
+        if words and all(w == FINISHED for w in words):
             return 0
         for r in range(ranks):  # a heal is a line of the replica's heals file (mecefo.ft)
             path = out / "replicas" / f"rank{r}.heals.jsonl"
@@ -278,26 +397,28 @@ def watch(out: Path, kills: list[tuple[int, int, float]], chaos_spec: str | None
             print(f"[watch] {line}", flush=True)
         if stop_after_s is not None and time.monotonic() - t0 > stop_after_s:
             return 0
-        while pending and step >= pending[0][1]:
-            n, at, seconds = pending.pop(0)
-            fire(n, seconds, "--kill", step, at)
-        if next_at is not None and time.monotonic() >= next_at:
-            next_at = time.monotonic() + rng.expovariate(rate / 60)
-            training = [r for r, w in enumerate(words) if w in TRAINING and not kill_request(out, r).exists()]
-            if 0 < step < (1 - chaos.QUIET_TAIL) * steps and len(training) > 1:
-                fire(rng.choice(training), rng.uniform(0, chaos.RESTART_S), f"--chaos {chaos_spec}", step)
+        at = {}
+        for k, spec in zip(plan, kills + stalls):
+            due = (k.at_step is not None and step >= k.at_step) or (k.at_step is None and words[k.rank] == HEALING)
+            if k.done or not due or k.rank in hands.pending:
+                continue
+            k.done, at[k.rank] = True, spec
+            if k.what == "stall":
+                hands.stall(k.rank, k.seconds)
+                continue
+            hands.kill(k.rank, "--kill")
+            hands.pending[k.rank]["restart"] = ({"after_s": k.restart_after_s} if k.restart_after_s is not None else
+                                                {"at_step": k.restart_step} if k.restart_step else
+                                                {"after_s": 0.0} if k.at_step is None else None)
+        if punisher is not None:
+            punisher.poll(hands, time.monotonic())
+        hands.flush(step, at)
         time.sleep(POLL_S)
 
 
-def events(out: Path, who: str = "*") -> list[dict]:
-    """The events of OUT/slurm/events-<who>.jsonl (who "*": every writer's), in time order; a line torn by a writer
-    killed mid-write is dropped. None for replicas started by hand."""
-    found = []
-    for path in sorted(slurm_dir(out).glob(f"events-{who}.jsonl")):
-        for line in path.read_text().splitlines():
-            with contextlib.suppress(ValueError):
-                found.append(json.loads(line))
-    return sorted(found, key=lambda e: e["time"])
+def slurm_kill(spec: str, ranks: int):
+    """A --kill of the injector: mecefo.supervise's grammar, whole nodes only."""
+    return parse_kill(spec, ranks, processes=False, lighthouse=False)
 
 
 def _size(path: Path) -> int:
@@ -312,24 +433,134 @@ def resumed_from(out: Path, ranks: int) -> int:
     return max(steps, default=0)
 
 
-def parse_kill(spec: str) -> tuple[int, int, float]:
-    parts = spec.split(":")
-    try:
-        node_, step = int(parts[0]), int(parts[1])
-        seconds = float(parts[2]) if len(parts) == 3 else 0.0
-        if len(parts) > 3 or step < 1 or seconds < 0:
-            raise ValueError
-    except (ValueError, IndexError):
-        raise UsageError(f"--kill {spec!r}: expected NODE:STEP[:SECONDS] (STEP >= 1, SECONDS >= 0)") from None
-    return node_, step, seconds
+# ---------------------------------------------------------------------------------------------- submit (submitit)
+def add_submit_arguments(p) -> None:
+    p.add_argument("--out", required=True, help="the run folder, on a file system every node sees")
+    p.add_argument("--nodes", type=int, required=True, help="nodes = data-parallel ranks (one replica group each)")
+    config_mod.add_flag(p, "gpus-per-node", type=int, default=0, help="GPUs per node (with --shard fsdp, the group size)")
+    config_mod.add_flag(p, "cpus-per-task", type=int, default=None)
+    p.add_argument("--partition", help="Slurm partition")
+    config_mod.add_flag(p, "time-min", type=int, default=48 * 60, help="the job's time limit, minutes")
+    p.add_argument("--cluster", choices=("slurm", "local"), default=None,
+                   help="submitit's executor (default: slurm where sbatch is found, else local)")
+    p.add_argument("--port", type=int, default=None, help=f"the lighthouse's port (default {lighthouse_mod.PORT})")
+    p.add_argument("--kill", action="append", default=[], help="the injector's kills (mecefo.supervise's grammar)")
+    p.add_argument("--stall", action="append", default=[], help="the injector's RANK:STEP:SECONDS|end")
+    p.add_argument("--chaos", metavar="SEED[:RATE]", help="the injector's random events")
+    config_mod.add_flag(p, "max-restarts", type=int, default=3)
+    config_mod.add_flag(p, "min-step-s", type=float, default=0.0)
+    p.add_argument("--tensorboard", metavar="DIR", help="each replica's TensorBoard scalars in DIR/rank<R> (mecefo.board)")
+    p.add_argument("--wait", action="store_true", help="wait for the job, then merge its records")
+
+
+@dataclass
+class NodeTask:
+    """What submitit runs on every node (pickled by submitit, so its fields are plain values): the node's supervisor,
+    and on the first node also the lighthouse and the watcher, kept until every replica has finished."""
+
+    out: str
+    port: int
+    group_size: int | None
+    kills: list
+    stalls: list
+    chaos: str | None
+    max_restarts: int
+    min_step_s: float
+    tensorboard: str | None = None
+
+    def __call__(self) -> int:
+        import submitit
+
+        env = submitit.JobEnvironment()
+        rank, head, out = env.global_rank, env.hostnames[0], Path(self.out)
+        lighthouse = f"http://{head}:{self.port}"
+        helpers = []
+        if rank == 0:  # the first node: the lighthouse and the watcher
+            slurm_dir(out).mkdir(parents=True, exist_ok=True)
+            with open(slurm_dir(out) / "lighthouse.log", "a") as log:
+                helpers.append(subprocess.Popen(lighthouse_mod.command(f"[::]:{self.port}"), stdout=log,
+                                                stderr=subprocess.STDOUT, env=lighthouse_mod.environment()))
+            helpers.append(subprocess.Popen([sys.executable, "-m", "mecefo.slurm", "watch", "--out", self.out,  # the
+                                             *(a for k in self.kills for a in ("--kill", k)),  # progress line, and
+                                             *(a for k in self.stalls for a in ("--stall", k)),  # the injector
+                                             *(["--chaos", self.chaos] if self.chaos else [])]))
+        try:
+            code = guarded(lambda: node(out, rank, lighthouse, self.group_size, self.max_restarts, self.min_step_s,
+                                        self.tensorboard), "interrupted")
+            if rank == 0:  # keep the lighthouse for the others' last steps
+                cfg = run_config(out)
+                deadline = time.monotonic() + RUN_OVER_S * 2
+                while time.monotonic() < deadline and any(
+                        w not in (FINISHED, "none") for w in committed(out, cfg.cluster.ranks, cfg.train.steps)[1]):
+                    time.sleep(0.2)
+            return code
+        finally:
+            for p in helpers:
+                p.kill()
+                p.wait()
+
+
+def submit(args, trainer_flags: list[str]) -> int:
+    """`submit`: scripts/slurm/mecefo.sbatch through submitit, from Python. On the submitting machine it checks the
+    trainer flags and writes DIR/config.json (mecefo.launch --prepare, DIR on a file system the nodes share), then
+    submits one task per node (NodeTask). With --wait it waits for the job and merges the replicas' records
+    (mecefo.launch --merge); without, it prints the job id and the merge command. `--cluster local` runs the job's
+    tasks as processes of this machine (submitit's LocalExecutor, each task standing for a node): how the tests run
+    it."""
+    import shutil
+
+    import submitit
+
+    from .launch import main as launch_main
+    from .launch import merge_by_hand
+
+    if args.nodes < 1:
+        raise UsageError(f"--nodes {args.nodes} must be at least 1")
+    if trainer_flags[:1] == ["--"]:
+        trainer_flags = trainer_flags[1:]
+    if "--ranks" in trainer_flags:
+        raise UsageError("--ranks: one rank per node, set by --nodes")
+    for k in args.kill:
+        slurm_kill(k, args.nodes)
+    for k in args.stall:
+        parse_stall(k, args.nodes)
+    if args.chaos:
+        chaos.parse(args.chaos)
+    code = launch_main(["--out", args.out, "--prepare", "--ranks", str(args.nodes), *trainer_flags])
+    if code != 0:
+        return code
+    fsdp = run_config(Path(args.out)).cluster.shard == "fsdp"
+    cluster = args.cluster or ("slurm" if shutil.which("sbatch") else "local")
+    executor = submitit.AutoExecutor(folder=Path(args.out) / "slurm" / "submitit", cluster=cluster)
+    if cluster == "local":  # one machine: each task stands for a node
+        executor.update_parameters(tasks_per_node=args.nodes, timeout_min=args.time_min)
+    else:
+        executor.update_parameters(nodes=args.nodes, tasks_per_node=1, timeout_min=args.time_min, name="mecefo",
+                                   **({"gpus_per_node": args.gpus_per_node} if args.gpus_per_node else {}),
+                                   **({"cpus_per_task": args.cpus_per_task} if args.cpus_per_task else {}),
+                                   **({"slurm_partition": args.partition} if args.partition else {}))
+    task = NodeTask(args.out, args.port or lighthouse_mod.PORT, args.gpus_per_node if fsdp and args.gpus_per_node else None,
+                    list(args.kill), list(args.stall), args.chaos, args.max_restarts, args.min_step_s, args.tensorboard)
+    job = executor.submit(task)
+    print(f"submitted job {job.job_id} ({cluster}, {args.nodes} nodes): its logs in {Path(args.out) / 'slurm' / 'submitit'}",
+          flush=True)
+    if not args.wait:
+        print(f"when it has finished: python -m mecefo.launch --out {args.out} --merge", flush=True)
+        return 0
+    codes = job.results()
+    worst = max(codes, key=lambda c: (c != 0, c))
+    if worst != 0:
+        print(f"the job's nodes ended with {codes}: see {Path(args.out) / 'replicas'}", file=sys.stderr, flush=True)
+        return worst
+    return merge_by_hand(Path(args.out), False)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mecefo.slurm", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     sub = parser.add_subparsers(dest="verb", required=True)
-    h = sub.add_parser("lighthouse", help="torchft's lighthouse with the launcher's settings, on every interface")
-    h.add_argument("--port", type=int, default=LIGHTHOUSE_PORT)
+    h = sub.add_parser("lighthouse", help="torchft's lighthouse with our settings (mecefo.lighthouse), on every interface")
+    h.add_argument("--port", type=int, default=lighthouse_mod.PORT)
     n = sub.add_parser("node", help="one node's supervisor (run by srun, once per node)")
     n.add_argument("--out", required=True)
     n.add_argument("--lighthouse", required=True)
@@ -341,19 +572,19 @@ def main(argv: list[str] | None = None) -> int:
     n.add_argument("--tensorboard", metavar="DIR", help="the replica's TensorBoard scalars in DIR/rank<R> (mecefo.board)")
     i = sub.add_parser("watch", help="the progress line and the failure injector (on the batch host, in the background)")
     i.add_argument("--out", required=True)
-    i.add_argument("--kill", action="append", default=[], help="NODE:STEP[:SECONDS]")
-    i.add_argument("--chaos", metavar="SEED[:RATE]")
-    from .submit import add_arguments
-
-    add_arguments(sub.add_parser("submit", help="submit the job through submitit (see mecefo.submit)"))
+    i.add_argument("--kill", action="append", default=[], help="mecefo.supervise's grammar, whole nodes: NODE:STEP"
+                   "[:RESTART_STEP | :SECONDSs] or NODE:heal")
+    i.add_argument("--stall", action="append", default=[], help="NODE:STEP:SECONDS or NODE:STEP:end")
+    i.add_argument("--chaos", metavar="SEED[:RATE]", help="random events (mecefo.chaos), the kinds in INJECTABLE")
+    add_submit_arguments(sub.add_parser("submit", help="submit the job through submitit"))
     args, rest = parser.parse_known_args(argv)
 
     def run() -> int:
         if args.verb != "submit" and rest:
             raise UsageError(f"unrecognized arguments: {' '.join(rest)}")
         if args.verb == "lighthouse":
-            os.environ.setdefault("RUST_LOG", "warn")
-            os.execv(lighthouse_command(args.port)[0], lighthouse_command(args.port))
+            command = lighthouse_mod.command(f"[::]:{args.port}")
+            os.execve(command[0], command, lighthouse_mod.environment())
         out = Path(args.out)
         if args.verb == "node":
             rank = args.node if args.node is not None else int(os.environ.get("SLURM_NODEID", "-1"))
@@ -361,9 +592,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise UsageError("python -m mecefo.slurm node: no --node and no SLURM_NODEID (run it under srun)")
             return node(out, rank, args.lighthouse, args.group_size, args.max_restarts, args.min_step_s, args.tensorboard)
         if args.verb == "watch":
-            return watch(out, [parse_kill(k) for k in args.kill], args.chaos)
-        from .submit import submit
-
+            return watch(out, args.kill, args.stall, args.chaos)
         return submit(args, rest)
 
     return guarded(run, "interrupted: this node's replica was killed (the same job submitted again continues)")

@@ -39,7 +39,7 @@ from .model import GPT, count_parameters, preset
 from .neighbour import LowRankWgrad, Techniques
 from .plan import rank_flops
 from .records import atomic_write_json, git_commit, package_versions
-from .runfiles import give_up, missing_folders, prepare_out, truncate_metrics
+from .runfiles import CHECKPOINTING, EVALUATING, give_up, missing_folders, prepare_out, truncate_metrics
 from .runfolder import release_lock, take_lock
 
 
@@ -246,7 +246,7 @@ class Run:
             return None
         self.engine.sync_for_io(self.optimizer)
         if self.membership.writes(plan) or self.engine.evaluates_with_writer:
-            self.files.status(f"evaluating {self.progress.furthest}")
+            self.files.status(f"{EVALUATING} {self.progress.furthest}")
             with self.clock("evaluate"):
                 return evaluate(self.model, self.data, split, self.device, self.cfg.train.precision)
         return None
@@ -258,7 +258,7 @@ class Run:
         if not self.engine.parameters_finite():  # a finite loss can still be followed by a non-finite update
             raise TrainingStopped(f"step {step}: the parameters are not finite after the update; the last checkpoint "
                                   f"in {self.out} is kept")
-        self.files.status(f"checkpointing {step}")
+        self.files.status(f"{CHECKPOINTING} {step}")
         writer, collective = self.membership.writes(plan), self.engine.collective_checkpoint
         with self.clock("checkpoint"):
             tensors = self.engine.checkpoint_tensors(self.optimizer) if writer or collective else None
