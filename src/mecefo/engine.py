@@ -15,8 +15,10 @@ is held and how the sums cross the processes is the engine's:
               process per rank) or one rank's replica group (torchft: its processes split the rank's rows),
               the group's sums then crossing the groups through the injected all_reduce
 
-Contract. Run builds the model with build_model (classmethod, before the optimizer) and the engine
-from it; every process of the run then calls, at each step and in this order (collectives match):
+Contract. Run sizes the memory check with rows_per_pass(cfg) (classmethod: the rows of one pass), builds the model
+with build_model (classmethod, before the optimizer) and the engine from it, its clock the Run's (mecefo.timing:
+the engine times the exchange and V1's refresh into it); the membership's engine_options(shard) give all_reduce and
+shard_group; every process of the run then calls, at each step and in this order (collectives match):
     compute(plan, optimizer) -> StepResult   state lost/given back (transition), V1 refreshed where the plan
                                              uses it, this process's pieces, the exchange; .grad then holds the
                                              aggregated gradient of the parameters this process holds
@@ -24,9 +26,11 @@ from it; every process of the run then calls, at each step and in this order (co
                                              membership said the step commits)
 and around the steps: components(optimizer) (the checkpoint's model and optimizer), restore(ckpt, components)
 (every process, from a checkpoint's contents or None where it did not read one), sync_for_io(optimizer) (before
-the writer evaluates or checkpoints), parameters_finite(), agreement() (whether the processes hold one state),
-heal_state() / load_heal_state(state) (what a torchft heal sends of the model and optimizer) and
-evaluates_with_writer (an evaluation is collective: every process sharing the writer's shards runs it).
+the writer evaluates or checkpoints), parameters_finite(), collective_checkpoint (every process writes its own shards)
+and checkpoint_tensors(optimizer) (the tensors it writes), agreement() (whether the processes hold one state), model,
+evaluates_with_writer (an evaluation is collective: every process sharing the writer's shards runs it); and for a
+torchft heal (mecefo.ft.FtMembership, handed the engine by connect): heal_skips (components a heal does not send),
+heal_state() / load_heal_state(state) (what it sends of the model and optimizer instead).
 """
 
 from __future__ import annotations
@@ -80,7 +84,7 @@ class StepEngine:
         import contextlib
 
         self.autocast = self.autocast or contextlib.nullcontext
-        self.clock = self.clock or Clock()
+        self.clock = self.clock if self.clock is not None else Clock()
 
     # ------------------------------------------------------------------ the model
     @classmethod

@@ -166,8 +166,9 @@ class FtMembership(Membership):
     does not would hang), through one collective of the group."""
 
     def __init__(self, cfg, rank: int, device: torch.device, run_dir: Path, lighthouse: str, min_step_s: float = 0.0,
-                 wait_for: int = 1, rejoin: bool = False, group: "Group | None" = None, faults: Faults | None = None):
-        self.cfg, self.rank, self.device, self.n_ranks = cfg, rank, device, cfg.cluster.ranks
+                 wait_for: int = 1, rejoin: bool = False, group: "Group | None" = None, faults: Faults | None = None,
+                 clock=None):
+        self.cfg, self.rank, self.device, self.n_ranks, self.clock = cfg, rank, device, cfg.cluster.ranks, clock
         self.lighthouse = lighthouse  # the lighthouse's address
         self.min_step_s = min_step_s  # pace steps to at least this long (so that the launcher's kills land)
         self.wait_for = wait_for  # replicas to wait for before the first step
@@ -185,16 +186,32 @@ class FtMembership(Membership):
         self.status(STARTING)
 
     @classmethod
-    def setup(cls, cfg, device: torch.device) -> tuple[int, torch.device]:
-        raise UsageError("cluster.backend='torchft' starts its replicas under python -m mecefo.launch (see README)")
+    def setup(cls, cfg, device: torch.device, replica: int | None = None, **options) -> tuple[int, torch.device, bool, dict]:
+        """Replica `replica`'s process: its device (torchrun's processes of a group on one node: a GPU each,
+        mecefo.placement), its replica group (join_group) and the tests' faults (mecefo.faults, read once here); the
+        group's rank 0 prints."""
+        if replica is None:
+            raise UsageError("cluster.backend='torchft' starts its replicas under python -m mecefo.launch (see README)")
+        if device.type == "cuda":
+            device = torch.device("cuda", local_device(torch.cuda.device_count()))
+            torch.cuda.set_device(device)
+        group = join_group(cfg.cluster.shard, device)
+        faults = Faults.from_environ(replica, group.rank, options.get("rejoin", False))
+        return replica, device, group.rank == 0, {**options, "group": group, "faults": faults}
 
     @classmethod
     def open_data(cls, cfg, main: bool):
         return token_data(cfg)  # (the launcher has built the token cache)
 
     @classmethod
-    def agree(cls, decide):
-        return decide()  # (the launcher decides for the run before its replicas start)
+    def agree(cls, decide, device: torch.device, options: dict) -> dict:
+        """The launcher decided for the run (mecefo.runfiles.prepare_out) and holds OUT's lock: decide is not called.
+        A replica resumes from OUT/checkpoint if there is one, unless restarted (it heals from a live peer instead);
+        a group's processes answer together (another group may be writing the first checkpoint)."""
+        resume = (Path(options["run_dir"]) / "checkpoint").exists() and not options.get("rejoin", False)
+        if options["group"].size > 1:
+            resume = _all_in_group(resume, device)
+        return {"finished": None, "resume": resume}
 
     def files(self, out) -> ReplicaFiles:
         return self.replica_files
@@ -711,31 +728,12 @@ def network() -> tuple[str, str]:
 
 def replica(cfg, out: Path, rank: int, lighthouse: str, min_step_s: float, wait_for: int, rejoin: bool,
             tensorboard: Path | None = None) -> None:
-    """One replica process: mecefo.train's Run on this backend, from OUT/checkpoint if there is one (the
-    replicas behind then heal from a live peer)."""
-    from .train import Run, resolve_device
+    """One replica process: mecefo.train's run() on this backend, from OUT/checkpoint if there is one (the replicas
+    behind then heal from a live peer)."""
+    from .train import run
 
-    device = resolve_device(cfg.train.device)
-    if device.type == "cuda":  # torchrun's processes of a group on one node: one GPU each (mecefo.placement)
-        device = torch.device("cuda", local_device(torch.cuda.device_count()))
-        torch.cuda.set_device(device)
-    group = join_group(cfg.cluster.shard, device)
-    training = Run(cfg, out, device, rank, quiet=group.rank != 0, tensorboard=tensorboard, run_dir=out, lighthouse=lighthouse,
-                   min_step_s=min_step_s, wait_for=wait_for, rejoin=rejoin, group=group,
-                   faults=Faults.from_environ(rank, group.rank, rejoin))  # (read once, here: the tests' faults)
-    resume = (out / "checkpoint").exists() and not rejoin  # a restarted replica heals from a live peer instead
-    if cfg.cluster.shard == "fsdp":  # one answer for the group (another group may be writing the first checkpoint)
-        resume = _all_in_group(resume, device)
-    try:
-        start = training.start(resume=resume)
-        if start is not None:
-            training.train(start, cfg.train.steps)
-            training.summary()
-            training.files.status(FINISHED)
-    except LeftBehind as e:
-        training.membership.left_behind(e)
-    finally:
-        training.membership.close()
+    run(cfg, out, tensorboard=tensorboard, replica=rank, run_dir=out, lighthouse=lighthouse, min_step_s=min_step_s,
+        wait_for=wait_for, rejoin=rejoin)
 
 
 def _forked(argv: list[str]) -> int:

@@ -4,11 +4,12 @@ and restarts them.
     python -m mecefo.launch --config experiments/configs/nano.toml --ranks 3 --failures high --out DIR
     python -m mecefo.launch ... --kill 1:10:20 --kill 2:heal        # explicit kills (see --help)
 
-Starts torchft's lighthouse (in this process), the n replica processes (`python -m mecefo.ft`), and a
+Starts torchft's lighthouse (mecefo.lighthouse, a child process), the n replica processes (`python -m mecefo.ft`), and a
 supervisor that follows the committed step. The kill plan comes from the failure schedule (--failures, as
 for mecefo.train: a scenario at cluster.seconds_per_step, or a trace; a rank failed at step s is killed
-once step s is reached, and restarted at its recovery step) and from --kill R:S[:S2] (kill rank R at step
-S and, with S2, restart it once step S2 is committed) or --kill R:heal (kill rank R while it is healing,
+once step s is reached, and restarted at its recovery step) and from --kill in mecefo.supervise's grammar:
+R:S[:S2] (kill rank R at step S and, with S2, restart it once step S2 is committed; R:S:Ts, T seconds after the
+kill) or R:heal (kill rank R while it is healing,
 the next time it heals; it is restarted at once; the kill lands while it applies the state received from a
 peer: torchft calls our loader after the transfer), and --chaos SEED[:RATE] draws random events (mecefo.chaos:
 kills, simultaneous kills, kills while healing or writing, stalls, the lighthouse killed and restarted). A
@@ -28,7 +29,8 @@ metrics.jsonl (the step-0 evaluation, then one row per committed step: loss, lr,
 down, who covered whom, samples; the replica and its wall clock under "backend"), summary.json (the kills
 and recovery timings under "backend", and the restarted ranks that did not rejoin before the end, with what
 they were doing), events.json (kills, restarts, exits, chaos events and every change of a replica's status,
-when each rank healed, and the recovery timings), failed_steps.json (the ranks down at every step, for the simulated twin:
+when each rank healed, and the recovery timings; merged from events/launch.jsonl, the launcher's event log as it
+happens, mecefo.supervise), failed_steps.json (the ranks down at every step, for the simulated twin:
 `python -m mecefo.train ... --failures steps:DIR/failed_steps.json`), and replicas/ (each replica's rows,
 heals, summary, status and log). OUT/run.lock is held by the launcher while it runs (mecefo.runfolder).
 """
@@ -638,7 +640,7 @@ def main(argv: list[str] | None = None, restore_signals: bool = True) -> int:
                         except OSError as e:  # (a full disk: the line that stops the launch says so)
                             print(f"note: {out / 'events.json'} could not be written ({e.strerror})", file=sys.stderr)
                 if lighthouse is not None:
-                    lighthouse.shutdown()
+                    lighthouse.kill()
                 if locked is not None:
                     release_lock(out)
             finally:

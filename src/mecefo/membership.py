@@ -6,9 +6,13 @@ torchft's (mecefo.ft.FtMembership): the lighthouse's quorum says who is alive, a
 a live peer, and a step commits only if every participant finished it.
 
 Contract. mecefo.train.Run, in every process of the run (so that collectives match):
-  before the run   setup(cfg, device) (class: join the processes; returns (rank, device)), open_data(cfg, main),
-                   agree(decide) and shards(cfg) (class: the token data, one decision for every process, the
-                   processes sharing the model's shards under FSDP), then
+  construction     Membership(cfg, rank, device, clock=Clock, **options): the Run's clock (mecefo.timing), into which
+                   it times what it waits for (torchft: pace, quorum, heal); options: the backend's own
+  before the run   setup(cfg, device, **options) (class: join the processes; returns (rank, device, main, options):
+                   main, whether this process prints; options, the constructor's), open_data(cfg, main),
+                   agree(decide, device, options) and shards(cfg) (class: the token data, one decision for every
+                   process, decide() where OUT is read and locked (the torchft launcher decided before its replicas
+                   started: none), the processes sharing the model's shards under FSDP), then
                    connect(components, step, engine) -> the step joined at (torchft: a restarted replica's
                    peers' step, once healed), None if the run ended first
   each step        quorum(step, schedule, end) -> Quorum   the step to run and the ranks down at it (failed
@@ -21,8 +25,11 @@ Contract. mecefo.train.Run, in every process of the run (so that collectives mat
                    end_step(row)                      after the row is recorded (None: not committed)
   who writes       io(plan) (this process takes part in an evaluation or a checkpoint), writes(plan) (it writes
                    the files); plan None: outside a step
-  after the run    extras() (a row's "backend" entries), summary_extras(digest) (summary.json's "backend" entries; digest: the
-                   engine's checksums of this process's or its group's state), close()
+  after the run    summary_extras(digest) (summary.json's "backend" entries; digest: the engine's checksums of this
+                   process's or its group's state), close(); torchft's replica also left_behind(LeftBehind) when it
+                   woke after the run had finished without it
+  per committed step, Run makes six calls on its parts, in this order: membership.quorum, engine.compute,
+                   membership.finish, engine.update, membership.extras (a row's "backend" entries), membership.end_step
   for the engine   engine_options(shard) -> the engine's all_reduce (SUM in place over the replicas: the ranks,
                    or torchft's replica groups; absent where one process, or one FSDP group, holds every rank)
                    and shard_group (this process, and the processes sharing the model's shards with it)
@@ -62,11 +69,11 @@ class Membership(abc.ABC):
     """The contract (the module's docstring says who calls what, and when): every membership answers all of it,
     none inherits another's answers by accident."""
 
-    clock = None  # the Run's mecefo.timing.Clock, shared with the step engine (set by mecefo.train.Run)
+    clock = None  # the Run's mecefo.timing.Clock, shared with the step engine (given to the constructor)
 
     @classmethod
     @abc.abstractmethod
-    def setup(cls, cfg, device: torch.device) -> tuple[int, torch.device]: ...
+    def setup(cls, cfg, device: torch.device, **options) -> tuple[int, torch.device, bool, dict]: ...
 
     @classmethod
     @abc.abstractmethod
@@ -78,7 +85,7 @@ class Membership(abc.ABC):
 
     @classmethod
     @abc.abstractmethod
-    def agree(cls, decide): ...
+    def agree(cls, decide, device: torch.device, options: dict) -> dict: ...
 
     @abc.abstractmethod
     def connect(self, components: dict, step: int, engine) -> int | None: ...
@@ -113,6 +120,10 @@ class Membership(abc.ABC):
     @abc.abstractmethod
     def summary_extras(self, digest: list | None) -> dict: ...
 
+    def left_behind(self, e: LeftBehind) -> None:
+        """This process woke after the run had finished without it (only torchft's replicas can)."""
+        raise e
+
 
 def token_data(cfg):
     """The config's token data (mecefo.data.TokenData), opened by this process."""
@@ -124,15 +135,15 @@ def token_data(cfg):
 class Static(Membership):
     """The failure schedule's membership in one process (the local backend): every rank is simulated here."""
 
-    def __init__(self, cfg, rank: int, device: torch.device, **options):
+    def __init__(self, cfg, rank: int, device: torch.device, clock=None, **options):
         if options:
             raise TypeError(f"unexpected options {sorted(options)}")
-        self.cfg, self.rank, self.device = cfg, rank, device
+        self.cfg, self.rank, self.device, self.clock = cfg, rank, device, clock
 
     # ------------------------------------------------------------------ processes
     @classmethod
-    def setup(cls, cfg, device: torch.device) -> tuple[int, torch.device]:
-        return 0, device
+    def setup(cls, cfg, device: torch.device, **options) -> tuple[int, torch.device, bool, dict]:
+        return 0, device, True, options
 
     @classmethod
     def shards(cls, cfg) -> int:
@@ -144,8 +155,8 @@ class Static(Membership):
         return token_data(cfg)
 
     @classmethod
-    def agree(cls, decide):
-        """decide() (rank 0 reads the output folder); its outcome for every process."""
+    def agree(cls, decide, device: torch.device, options: dict) -> dict:
+        """decide() (this process reads the output folder); its outcome."""
         return decide()
 
     def connect(self, components: dict, step: int, engine) -> int | None:
@@ -191,8 +202,8 @@ class TorchStatic(Static):
     default process group, rank 0 decides for everyone, and every rank takes part in the collectives."""
 
     @classmethod
-    def setup(cls, cfg, device: torch.device) -> tuple[int, torch.device]:
-        """Join the process group torchrun describes; returns (rank, this rank's device)."""
+    def setup(cls, cfg, device: torch.device, **options) -> tuple[int, torch.device, bool, dict]:
+        """Join the process group torchrun describes; returns (rank, this rank's device, rank 0 prints, options)."""
         import torch.distributed as dist
 
         world = int(os.environ.get("WORLD_SIZE", "0"))
@@ -206,7 +217,7 @@ class TorchStatic(Static):
             torch.cuda.set_device(device)
         if not dist.is_initialized():
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        return dist.get_rank(), device
+        return dist.get_rank(), device, dist.get_rank() == 0, options
 
     @classmethod
     def open_data(cls, cfg, main: bool):
@@ -218,7 +229,7 @@ class TorchStatic(Static):
         return data or token_data(cfg)
 
     @classmethod
-    def agree(cls, decide):
+    def agree(cls, decide, device: torch.device, options: dict) -> dict:
         """decide() on rank 0, its outcome (or its UsageError) on every rank, so that all ranks reuse a finished
         run, or all stop, together."""
         import torch.distributed as dist

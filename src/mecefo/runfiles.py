@@ -13,9 +13,10 @@ config is reused; an interrupted one resumes from its checkpoint (or starts over
 a run of another config, or a folder holding anything else, is refused with one line (exit 2), nothing
 touched. --resume only insists that there is something to resume.
 
-Contract (RunFiles; mecefo.train.Run calls): metrics_path / summary_path (None: this process writes none),
-owns_out() (this process writes config.json and cuts the metrics back on a resume), status(what) (what this
-process is doing, for whoever watches), write_checkpoint(...) (every process taking part in the checkpoint).
+Contract (RunFiles; mecefo.train.Run calls): metrics_path() / summary_path() (None: this process writes none),
+owns_out() (this process writes config.json, write_config(cfg), and cuts the metrics back on a resume), status(what)
+(what this process is doing, for whoever watches: the status words below), write_checkpoint(...) (every
+process taking part in the checkpoint) and checkpoint_path() (where a resume reads it).
 """
 
 from __future__ import annotations

@@ -29,17 +29,18 @@ from tqdm import tqdm
 
 from . import checkpoint, failures, policies
 from . import config as config_mod
-from .cluster import BACKENDS, backend_parts, backend_spec
+from .cluster import BACKENDS, backend_parts
 from .config import Config
 from .costs import Shape, analytic_flops
 from .data import TokenData
 from .errors import TrainingStopped, UsageError, guarded
-from .membership import REDO, STOP
+from .membership import REDO, STOP, LeftBehind
 from .model import GPT, count_parameters, preset
 from .neighbour import LowRankWgrad, Techniques
 from .plan import rank_flops
 from .records import atomic_write_json, git_commit, package_versions
-from .runfiles import CHECKPOINTING, EVALUATING, give_up, missing_folders, prepare_out, truncate_metrics
+from .timing import Clock
+from .runfiles import CHECKPOINTING, EVALUATING, FINISHED, give_up, missing_folders, prepare_out, truncate_metrics
 from .runfolder import release_lock, take_lock
 
 
@@ -176,7 +177,8 @@ class Run:
         self.cfg, self.out, self.device, self.quiet = cfg, Path(out), device, quiet
         cc, tc = cfg.cluster, cfg.train
         membership, engine = backend_parts(cc)
-        self.membership = membership(cfg, rank, device, **options)
+        self.clock = Clock()  # where each step's time goes (mecefo.timing), given to the membership and the engine
+        self.membership = membership(cfg, rank, device, clock=self.clock, **options)
         self.files = self.membership.files(self.out)
         self.board = None
         if tensorboard is not None and self.files.metrics_path() is not None:  # (the process that writes the rows)
@@ -200,8 +202,7 @@ class Run:
         self.lowrank = LowRankWgrad(r=cc.r, tau=cc.low_rank_tau, svd=cc.low_rank_svd, seed=tc.seed).bind(self.model)
         self.engine = engine(self.model, self.data, tc.seed, device, self.lowrank, lambda: autocast(device, tc.precision),
                              n_ranks=cc.ranks, rank=rank, low_rank_refresh=cc.low_rank_refresh,
-                             neighbour_pass=cc.neighbour_pass, **self.membership.engine_options(cc.shard))
-        self.clock = self.membership.clock = self.engine.clock  # where each step's time goes (mecefo.timing)
+                             neighbour_pass=cc.neighbour_pass, clock=self.clock, **self.membership.engine_options(cc.shard))
         self.flops = _FlopModel(self.model_cfg, cfg.data, cc.r)
         self.progress = Progress()
         self.components = self.engine.components(self.optimizer) | {
@@ -395,51 +396,60 @@ class Run:
 
 
 def run(cfg: Config, out: Path, resume: bool = False, stop_after: int | None = None, quiet: bool = False,
-        tensorboard: Path | None = None) -> dict:
+        tensorboard: Path | None = None, **options) -> dict:
     """Train cfg for cfg.train.steps steps (or until stop_after, leaving a checkpoint) and return the summary.
-    Under the torch backend every process calls run(); rank 0 alone writes files and prints."""
-    spec = backend_spec(cfg.cluster.backend)
-    if spec.entry != "mecefo.train":
-        raise UsageError(f"cluster.backend={spec.name!r} starts its processes under {spec.started_by} "
-                         "(see README, Real failures)")
+    Every process of the run calls run(): under the torch backend every rank (rank 0 alone writes files and prints),
+    under torchft every process of every replica (mecefo.ft.replica; options: the replica's, for its membership).
+    Returns {"joined": False} where a torchft replica found the run finished before it could join it, and
+    {"left_behind": step} where it woke after the run had finished without it."""
     if stop_after is not None and stop_after < 1:
         raise UsageError(f"--stop-after {stop_after} must be at least 1 (the step after which to stop)")
     membership, _ = backend_parts(cfg.cluster)
-    rank, device = membership.setup(cfg, resolve_device(cfg.train.device))
-    main, out = rank == 0, Path(out)
+    rank, device, main, options = membership.setup(cfg, resolve_device(cfg.train.device), **options)
+    out, held = Path(out), []
 
     def prepare() -> dict:
-        """On the main process: OUT's lock, taken before OUT is read or written and held while this process trains
-        into it (a second run on the same OUT is refused meanwhile), then what to do with OUT."""
+        """Where OUT is decided for the run: OUT's lock, taken before OUT is read or written and held while this
+        process trains into it (a second run on the same OUT is refused meanwhile), then what to do with OUT."""
         made = missing_folders(out)
         take_lock(out)
+        held.append(out)
         try:
             return prepare_out(out, cfg, resume) | {"made": made}
         except BaseException:
             give_up(out, made)
             raise
 
-    decision = membership.agree(prepare)
+    decision = membership.agree(prepare, device, options)
     made = decision.pop("made", [])
     if decision["finished"] is not None:
-        if main:
+        if held:
             release_lock(out)
         return decision["finished"]
     try:
-        training = Run(cfg, out, device, rank, quiet or not main, tensorboard=tensorboard)
+        training = Run(cfg, out, device, rank, quiet or not main, tensorboard=tensorboard, **options)
     except BaseException:
-        if main:
+        if held:
             give_up(out, made)
         raise
     try:
         start = training.start(decision["resume"])
+        if start is None:  # (a torchft replica: the run finished before it could join)
+            return {"joined": False}
         end = min(cfg.train.steps, stop_after) if stop_after is not None else cfg.train.steps
         training.train(start, end)
-        return training.summary() if end == cfg.train.steps else {"stopped_at": end}
+        if end < cfg.train.steps:
+            return {"stopped_at": end}
+        summary = training.summary()
+        training.files.status(FINISHED)
+        return summary
+    except LeftBehind as e:
+        training.membership.left_behind(e)
+        return {"left_behind": e.step}
     finally:
         training.membership.close()
-        if main:
-            release_lock(Path(out))
+        if held:
+            release_lock(out)
 
 
 def _failure_free_gradient(engine, plan, cfg: Config, optimizer) -> list[torch.Tensor]:
