@@ -360,7 +360,7 @@ class Injector:
             mark = (at or {}).get(rank)
             self.events.record(kind="inject", node=rank, what=order["what"], why=order.get("why"), step=step,
                                restart=order.get("restart"), **({"at": mark} if mark is not None else {}))
-            print(f"[watch] node {rank}: {order['what']} at step {step} ({order.get('why')})", flush=True)
+            print(f"[watch] node {rank} {_said(order, step)}", flush=True)
         self.pending = {}
 
 
@@ -414,6 +414,20 @@ def watch(out: Path, kills: list[str], stalls: list[str], chaos_spec: str | None
             punisher.poll(hands, time.monotonic())
         hands.flush(step, at)
         time.sleep(POLL_S)
+
+
+def _said(order: dict, step: int) -> str:
+    """An order in words (the watcher's line)."""
+    why = order.get("why")
+    if order["what"] == "stall":
+        return f"stopped at step {step} ({why}; " + (f"for {order['seconds']:g} s)" if order["seconds"] is not None
+                                                    else "until the others end)")
+    if order["what"] == "external":
+        return f"killed outside the plan at step {step}"
+    restart = order.get("restart")
+    return f"killed at step {step} ({why}; " + ("never restarted)" if restart is None else
+                                              f"restarted after {restart['after_s']:.1f} s)" if "after_s" in restart
+                                              else f"restarted at step {restart['at_step']})")
 
 
 def slurm_kill(spec: str, ranks: int):
