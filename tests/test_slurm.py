@@ -210,3 +210,39 @@ def test_a_replica_groups_own_exit_status_reaches_the_node_through_torchrun(tmp_
     monkeypatch.setattr(slurm, "replica_command", lambda *a: ["bash", "-c", script])
     (out / "replicas" / "rank0.status").write_text("step 3 0\n")  # a live peer: a finished run is not assumed
     assert slurm.node(out, 1, "http://127.0.0.1:1", None, max_restarts=0) == expected
+
+
+def test_a_node_killed_for_good_ends_with_the_run_or_when_nobody_is_left(tmp_path, monkeypatch):
+    """A node whose replica the injector killed for good (NODE:STEP) waits: it ends 0 once a replica has finished the
+    run (others may be down), and 3 once every other replica has been down for RUN_OVER_S (nobody left to heal it)."""
+    import mecefo.slurm as slurm
+    from mecefo.runfiles import write_replica_status
+
+    out = tmp_path / "run"
+    assert launch_main([*NANO, "--ranks", "3", "--out", str(out), "--prepare"]) == 0
+    cfg = slurm.run_config(out)
+    write_replica_status(out, 0, "finished")
+    write_replica_status(out, 2, "down")
+    assert slurm.Node(out, 1, cfg, "node 1").wait_for_restart(None) == 0
+    monkeypatch.setattr(slurm, "RUN_OVER_S", 0.2)
+    write_replica_status(out, 0, "down")
+    assert slurm.Node(out, 1, cfg, "node 1").wait_for_restart(None) == 3
+    write_replica_status(out, 0, "step 12")
+    assert slurm.Node(out, 1, cfg, "node 1").wait_for_restart({"at_step": 12}) is None  # restarted at its step
+
+
+def test_the_injector_never_counts_a_stopped_node_as_training(tmp_path):
+    """A node the injector stopped (SIGSTOP) keeps its 'step' status: it is neither a target nor counted among the
+    nodes holding the run's state until its stall is over; a node that is down gets no order."""
+    from mecefo.runfiles import write_replica_status
+    from mecefo.slurm import Injector
+    from mecefo.supervise import EventLog
+
+    for r, words in enumerate(["step 5", "step 5", "down"]):
+        write_replica_status(tmp_path, r, words)
+    hands = Injector(tmp_path, 3, 100, EventLog(tmp_path, "watch"))
+    hands.look()
+    hands.stall(0, 30.0)
+    hands.flush(5)
+    (tmp_path / "slurm" / "order-node0").unlink()  # its supervisor took the order; the replica sleeps on
+    assert hands.training() == [1] and not hands.running(2)

@@ -8,7 +8,9 @@ run's state at that moment (training: not stalled, not still joining; never the 
 draw from one numpy generator seeded
 with SEED. An event that waits for a moment (an evaluation, a checkpoint write, the rank it killed healing or
 joining again) waits at most ARMED_S and is then dropped (recorded as expired). A killed rank is restarted after U(0, RESTART_S)
-seconds, unless the kind says otherwise. Every event is recorded in the launcher's events.json (kind "chaos").
+seconds, unless the kind says otherwise. Every event is recorded in its supervisor's event log (kind "chaos";
+mecefo.supervise: the launcher's, merged into events.json). The Slurm watcher (mecefo.slurm watch --chaos) draws from
+the same generator the kinds a node's supervisor can fire.
 """
 
 from __future__ import annotations

@@ -116,10 +116,10 @@ class Supervisor:
 
     @property
     def events(self) -> list[dict]:
-        return self.event_log.events
+        return self.event_log.events if self.event_log is not None else []
 
     def log(self, msg: str, **event) -> None:
-        if event:
+        if event and self.event_log is not None:
             self.event_log.record(**event)
         if not self.quiet:
             print(f"[launch {time.time() - self.t0:7.2f}s] {msg}", flush=True)

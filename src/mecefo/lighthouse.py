@@ -103,7 +103,9 @@ def wait_until_up(address: str, seconds: float, alive=lambda: True, where: str =
     process we started died)."""
     deadline = time.monotonic() + seconds
     while read_status(address, timeout_s=0.5) is None:
-        if not alive() or time.monotonic() > deadline:
+        if not alive():
+            raise TrainingStopped(f"torchft's lighthouse did not start on {address}{where}")
+        if time.monotonic() > deadline:
             raise TrainingStopped(f"the lighthouse at {address} did not answer for {seconds:g} s{where}")
         time.sleep(0.05)
 

@@ -134,17 +134,20 @@ class Node:
         self.out, self.rank, self.cfg, self.ranks = out, rank, cfg, cfg.cluster.ranks
         self.log, self.t0, self.prefix = EventLog(out, f"node{rank}"), time.time(), say_prefix
         self.proc, self.stalled_until = None, None
+        self.step, self.words = 0, []  # the run as the last look saw it
 
     def say(self, msg: str, **event) -> None:
         print(f"[{self.prefix} {time.time() - self.t0:8.2f}s] {msg}", flush=True)
         if event:
             self.log.record(node=self.rank, **event)
 
-    def progress(self) -> tuple[int, list[str]]:
-        return committed(self.out, self.ranks, self.cfg.train.steps)
+    def look(self) -> tuple[int, list[str]]:
+        """The replicas' status files, read once: the committed step and every replica's status word."""
+        self.step, self.words = committed(self.out, self.ranks, self.cfg.train.steps)
+        return self.step, self.words
 
     def others(self) -> list[str]:
-        return [w for r, w in enumerate(self.progress()[1]) if r != self.rank]
+        return [w for r, w in enumerate(self.words) if r != self.rank]
 
     def run_over(self) -> bool:
         """Every other replica has finished the run."""
@@ -158,7 +161,7 @@ class Node:
 
     def act(self, order: dict) -> dict | None:
         """Carry out the injector's order; the order if it killed the replica (its restart says when it comes back)."""
-        step, why = self.progress()[0], order.get("why", "injector")
+        step, why = self.look()[0], order.get("why", "injector")  # (now: the step the injector acted at, or later)
         if order.get("what") == "stall":
             seconds = order.get("seconds")
             self.signal(signal.SIGSTOP)
@@ -182,11 +185,12 @@ class Node:
         if time.monotonic() >= self.stalled_until or (math.isinf(self.stalled_until) and all(w in GONE for w in self.others())):
             self.signal(signal.SIGCONT)
             self.stalled_until = None
-            self.say(f"replica {self.rank} goes on", kind="stall_end", rank=self.rank, step=self.progress()[0])
+            self.say(f"replica {self.rank} goes on", kind="stall_end", rank=self.rank, step=self.step)
 
     def wait_for_restart(self, restart: dict | None) -> int | None:
         """After a kill: wait for its restart (after seconds, once a step is committed, or never); an exit status
-        (0: the run finished without it; 3: every replica is down, nobody left to heal it) if it is not restarted."""
+        (0: the run finished without it, a replica finished it; 3: every replica is down, nobody left to heal it)
+        if it is not restarted."""
         if restart is not None and "after_s" in restart:
             self.say(f"replica {self.rank} killed by the injector; restarting in {restart['after_s']:g} s")
             time.sleep(restart["after_s"])
@@ -194,9 +198,12 @@ class Node:
         self.say(f"replica {self.rank} killed by the injector; " + (f"restarted once step {restart['at_step']} is "
                  "committed" if restart is not None else "not restarted"))
         nobody_since = None
-        while restart is None or self.progress()[0] < restart["at_step"]:
+        while True:
+            step, _ = self.look()
+            if restart is not None and step >= restart["at_step"]:
+                return None
             others = self.others()
-            if others and all(w == FINISHED for w in others):
+            if FINISHED in others:
                 self.say(f"the run finished without replica {self.rank}", kind="not_rejoined")
                 return 0
             if all(w in GONE + ("none",) for w in others):
@@ -207,7 +214,6 @@ class Node:
             else:
                 nobody_since = None
             time.sleep(POLL_S)
-        return None
 
 
 def node(out: Path, rank: int, lighthouse: str, group_size: int | None, max_restarts: int, min_step_s: float = 0.0,
@@ -223,7 +229,7 @@ def node(out: Path, rank: int, lighthouse: str, group_size: int | None, max_rest
         group_size = node_gpus() if cfg.cluster.shard == "fsdp" else 1
     wait_for_lighthouse(lighthouse)
     host = os.environ.get("MECEFO_FT_HOST") or socket.gethostname()
-    env = replica_env() | {"MECEFO_FT_HOST": host}  # (less Slurm's or a caller's torchrun)
+    env = replica_env(one_thread=False) | {"MECEFO_FT_HOST": host}  # (less Slurm's or a caller's torchrun)
     sup, crashes, rejoin, why = Node(out, rank, cfg, f"node {rank}"), 0, False, "initial"
     orders = order_path(out, rank)
     orders.unlink(missing_ok=True)
@@ -248,15 +254,15 @@ def node(out: Path, rank: int, lighthouse: str, group_size: int | None, max_rest
                                         preexec_fn=die_with_parent)  # (a supervisor SIGKILLed takes its replica along)
         sup.stalled_until = None
         sup.say(f"started replica {rank} (pid {sup.proc.pid}, {group_size} process{'es' if group_size > 1 else ''}"
-                f"{', rejoining' if rejoin else ''})", kind="start", rank=rank, why=why, step=sup.progress()[0])
+                f"{', rejoining' if rejoin else ''})", kind="start", rank=rank, why=why, step=sup.look()[0])
         killed, gone_since = None, None
         while (code := sup.proc.poll()) is None:
             order = take_order(orders) if orders.exists() else None
             if order is not None and (killed := sup.act(order)) is not None:
                 code = sup.proc.returncode
                 break
+            words = sup.look()[1]
             sup.wake()
-            words = sup.progress()[1]
             if sup.run_over() and words[rank] not in (FINISHED, STEP):
                 gone_since = gone_since or time.monotonic()
                 if time.monotonic() - gone_since > RUN_OVER_S:  # the run ended while this replica was rejoining
@@ -265,7 +271,7 @@ def node(out: Path, rank: int, lighthouse: str, group_size: int | None, max_rest
                     sup.say(f"the run finished before replica {rank} rejoined ({words[rank]}): stopped", kind="not_rejoined")
                     return 0
             time.sleep(POLL_S)
-        step = sup.progress()[0]
+        step = sup.look()[0]
         if exit_kind(code) != "stopped" and code != 0 and stopped_with.exists():  # under torchrun: the replica's own
             code = int(stopped_with.read_text().strip() or code)  # status (torchrun exits 1 for any worker's failure)
         kind = exit_kind(code)
@@ -294,6 +300,7 @@ def node(out: Path, rank: int, lighthouse: str, group_size: int | None, max_rest
             sup.say(f"replica {rank} crashed (exit {code}, crash {crashes} of {max_restarts} allowed): restarting",
                     kind="crash", rank=rank, code=code, step=step)
             why = "restart after a crash"
+        sup.look()
         if sup.run_over():
             sup.say(f"the run has finished: replica {rank} is not restarted", kind="not_rejoined")
             return 0
@@ -311,6 +318,7 @@ class Injector:
     def __init__(self, out: Path, ranks: int, steps: int, log: EventLog):
         self.out, self.ranks, self.steps, self.events = out, ranks, steps, log
         self.observed, self.pending = {}, {}
+        self.stalled = {}  # rank -> until when it was ordered stopped (time.monotonic(); inf: until the others end)
 
     def look(self) -> tuple[int, list[str]]:
         self.observed = read_statuses(self.out, self.ranks)
@@ -324,10 +332,18 @@ class Injector:
         return {r: words[0] for r, words in self.observed.items()}
 
     def ordered(self, rank: int) -> bool:
+        """An order for rank is waiting (this look's, or one its supervisor has not taken yet)."""
         return rank in self.pending or order_path(self.out, rank).exists()
 
+    def running(self, rank: int) -> bool:
+        """Whether rank's replica runs, with no order waiting for it (an order goes to a running replica only)."""
+        return self.statuses().get(rank, DOWN) not in GONE and not self.ordered(rank)
+
     def training(self) -> list[int]:
-        return sorted(r for r, w in self.statuses().items() if w in TRAINING and not self.ordered(r))
+        """Ranks holding the run's state: training, not stopped by a stall, no order waiting."""
+        now = time.monotonic()
+        self.stalled = {r: until for r, until in self.stalled.items() if until > now}
+        return sorted(r for r, w in self.statuses().items() if w in TRAINING and self.running(r) and r not in self.stalled)
 
     def alive(self) -> list[int]:
         return sorted(r for r, w in self.statuses().items() if w not in GONE)
@@ -350,8 +366,9 @@ class Injector:
     def kill_unplanned(self, rank: int) -> None:
         self.pending[rank] = {"what": "external", "why": "outside the plan"}
 
-    def stall(self, rank: int, seconds: float) -> None:
-        self.pending[rank] = {"what": "stall", "seconds": None if math.isinf(seconds) else float(seconds), "why": "stall"}
+    def stall(self, rank: int, seconds: float, why: str = "chaos: stall") -> None:
+        self.pending[rank] = {"what": "stall", "seconds": None if math.isinf(seconds) else float(seconds), "why": why}
+        self.stalled[rank] = time.monotonic() + seconds
 
     def flush(self, step: int, at: dict | None = None) -> None:
         """Write the orders of this look (at: rank -> the --kill/--stall it answers, recorded once per run)."""
@@ -372,8 +389,9 @@ def watch(out: Path, kills: list[str], stalls: list[str], chaos_spec: str | None
     punisher = chaos.Punisher(*chaos.parse(chaos_spec), 1, steps, can=Injector.can) if chaos_spec else None
     log = EventLog(out, "watch")
     fired = {(e["node"], e["at"]) for e in log.events if e["kind"] == "inject" and "at" in e}
-    for k, spec in zip(plan, kills + stalls):  # a job submitted again: each fires once per run, not once per job
-        k.done = (k.rank, spec) in fired
+    marks = [f"kill {s}" for s in kills] + [f"stall {s}" for s in stalls]
+    for k, mark in zip(plan, marks):  # a job submitted again: each fires once per run, not once per job
+        k.done = (k.rank, mark) in fired
     start = resumed_from(out, ranks)
     if start:  # (the merge's recovery timings end at a resume: no interval spans two jobs)
         log.record(kind="resume", step=start)
@@ -382,7 +400,7 @@ def watch(out: Path, kills: list[str], stalls: list[str], chaos_spec: str | None
     t0 = time.monotonic()
     while True:
         step, words = hands.look()
-        if words and all(w == FINISHED for w in words):
+        if FINISHED in words and all(w in GONE + ("none",) for w in words):  # (a node killed for good included)
             return 0
         for r in range(ranks):  # a heal is a line of the replica's heals file (mecefo.ft)
             path = out / "replicas" / f"rank{r}.heals.jsonl"
@@ -398,19 +416,19 @@ def watch(out: Path, kills: list[str], stalls: list[str], chaos_spec: str | None
         if stop_after_s is not None and time.monotonic() - t0 > stop_after_s:
             return 0
         at = {}
-        for k, spec in zip(plan, kills + stalls):
+        for k, mark in zip(plan, marks):
             due = (k.at_step is not None and step >= k.at_step) or (k.at_step is None and words[k.rank] == HEALING)
-            if k.done or not due or k.rank in hands.pending:
+            if k.done or not due or not hands.running(k.rank):
                 continue
-            k.done, at[k.rank] = True, spec
+            k.done, at[k.rank] = True, mark
             if k.what == "stall":
-                hands.stall(k.rank, k.seconds)
+                hands.stall(k.rank, k.seconds, "--stall")
                 continue
             hands.kill(k.rank, "--kill")
             hands.pending[k.rank]["restart"] = ({"after_s": k.restart_after_s} if k.restart_after_s is not None else
                                                 {"at_step": k.restart_step} if k.restart_step else
                                                 {"after_s": 0.0} if k.at_step is None else None)
-        if punisher is not None:
+        if punisher is not None:  # (after the plan: it draws among the ranks with no order this look)
             punisher.poll(hands, time.monotonic())
         hands.flush(step, at)
         time.sleep(POLL_S)
@@ -505,7 +523,7 @@ class NodeTask:
                 cfg = run_config(out)
                 deadline = time.monotonic() + RUN_OVER_S * 2
                 while time.monotonic() < deadline and any(
-                        w not in (FINISHED, "none") for w in committed(out, cfg.cluster.ranks, cfg.train.steps)[1]):
+                        w not in GONE + ("none",) for w in committed(out, cfg.cluster.ranks, cfg.train.steps)[1]):
                     time.sleep(0.2)
             return code
         finally:

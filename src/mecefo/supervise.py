@@ -165,11 +165,15 @@ def committed_step(statuses: dict[int, list[str]], steps: int) -> int:
     return furthest
 
 
-def replica_env(environ=os.environ, drop: tuple = ()) -> dict:
-    """The environment a replica process starts from: its supervisor's, less a caller's torchrun (and `drop`), one
-    thread per process unless OMP_NUM_THREADS says otherwise, torchft's Rust logs at warn."""
+def replica_env(environ=os.environ, drop: tuple = (), one_thread: bool = True) -> dict:
+    """The environment a replica process starts from: its supervisor's, less a caller's torchrun (and `drop`),
+    torchft's Rust logs at warn, and with one_thread (several replicas sharing one machine's cores) one thread per
+    process unless OMP_NUM_THREADS says otherwise."""
     env = {k: v for k, v in environ.items() if k not in INHERITED_NOT + drop}
-    return env | {"OMP_NUM_THREADS": environ.get("OMP_NUM_THREADS", "1"), "RUST_LOG": environ.get("RUST_LOG", "warn")}
+    env["RUST_LOG"] = environ.get("RUST_LOG", "warn")
+    if one_thread:
+        env["OMP_NUM_THREADS"] = environ.get("OMP_NUM_THREADS", "1")
+    return env
 
 
 # ---------------------------------------------------------------------------------------------- the event log
@@ -179,13 +183,15 @@ def events_dir(out: Path) -> Path:
 
 class EventLog:
     """One writer's events, OUT/events/<who>.jsonl: appended as they happen (a supervisor killed keeps what it
-    logged), kept in memory as `events` (with the writer's earlier ones unless fresh)."""
+    logged), kept in memory as `events` (with the writer's earlier ones). fresh: a run that starts over: every
+    writer's earlier events are removed."""
 
     def __init__(self, out: Path, who: str, fresh: bool = False):
         self.path = events_dir(out) / f"{who}.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if fresh:
-            self.path.unlink(missing_ok=True)
+            for earlier in self.path.parent.glob("*.jsonl"):
+                earlier.unlink()
         self.events = _read(self.path)
 
     def record(self, **event) -> dict:

@@ -39,9 +39,9 @@ from .model import GPT, count_parameters, preset
 from .neighbour import LowRankWgrad, Techniques
 from .plan import rank_flops
 from .records import atomic_write_json, git_commit, package_versions
-from .timing import Clock
 from .runfiles import CHECKPOINTING, EVALUATING, FINISHED, give_up, missing_folders, prepare_out, truncate_metrics
 from .runfolder import release_lock, take_lock
+from .timing import Clock
 
 
 def lr_at(step: int, optim: config_mod.OptimConfig, total_steps: int) -> float:
