@@ -58,8 +58,8 @@ from .processes import ForkServer, become_subreaper, die_with_parent, group_stor
 from .records import atomic_write_json
 from .replica_records import merge, resume_point
 from .runfiles import DOWN, FINISHED, HEALING, STARTING, TRAINING, RunFiles, read_config, write_replica_status
-from .supervise import (KILL_GRAMMAR, EventLog, Kill, committed_step, exit_kind, how, parse_kill, parse_stall, read_events,
-                        read_statuses, replica_env)
+from .supervise import (KILL_GRAMMAR, CrashBudget, EventLog, Kill, ReplicaGroup, committed_step, exit_kind, how,
+                        parse_kill, parse_stall, read_events, read_statuses, replica_env)
 
 POLL_S = 0.02
 FORK_SERVER_BACKOFF_S = 10.0  # after the fork server died: start the next one no sooner
@@ -83,15 +83,14 @@ class Supervisor:
     group_size: int = 1  # processes per replica group (--group_size)
     max_restarts: int = MAX_RESTARTS
     chaos: object = None  # a mecefo.chaos.Punisher
-    procs: dict = field(default_factory=dict)  # rank -> its group's Popens
+    procs: dict = field(default_factory=dict)  # rank -> its running replica group (mecefo.supervise.ReplicaGroup)
     event_log: EventLog | None = None  # OUT/events/launch.jsonl (mecefo.supervise)
     t0: float = field(default_factory=time.time)
     furthest: int = 0
     rejoining: set = field(default_factory=set)  # restarted ranks that have not trained yet
     gpus: list = field(default_factory=list)  # process j of rank r: gpus[r][j] (mecefo.placement; [] on the CPU)
     stores: dict = field(default_factory=dict)  # rank -> its group's store (hosted here, on loopback)
-    stalled: dict = field(default_factory=dict)  # rank -> when to SIGCONT it (time.monotonic(); inf: once the others end)
-    crashes: dict = field(default_factory=dict)  # rank -> crashes so far
+    crashes: CrashBudget = None  # --max_restarts (mecefo.supervise)
     lighthouse_back_at: float | None = None
     lighthouse_down: bool = False  # killed for good (--kill lighthouse:STEP): not restarted when found dead
     seen: dict = field(default_factory=dict)  # rank -> the last status word observed
@@ -107,6 +106,9 @@ class Supervisor:
     tensorboard: Path | None = None  # --tensorboard DIR: the launcher's scalars in DIR/launcher, replica r's in DIR/rank<r>
     board: object = None
     board_at: float = 0.0
+
+    def __post_init__(self):
+        self.crashes = self.crashes or CrashBudget(self.max_restarts)
 
     def interrupt(self) -> None:
         """Ctrl-C, SIGTERM or SIGHUP while the loop runs: recorded here, raised by the loop at its next poll. Raised
@@ -149,7 +151,7 @@ class Supervisor:
 
     def training(self) -> list[int]:
         """Ranks that hold the run's state: their processes run, not stalled, past their heal (or never restarted)."""
-        return sorted(r for r in self.procs if r not in self.stalled and r not in self.rejoining
+        return sorted(r for r, g in self.procs.items() if g.stalled_until is None and r not in self.rejoining
                       and self.statuses().get(r) in TRAINING)
 
     def has_checkpoint(self) -> bool:
@@ -180,14 +182,14 @@ class Supervisor:
                     proc = subprocess.Popen([sys.executable, "-m", "mecefo.ft", *argv], stdout=log, stderr=subprocess.STDOUT,
                                             env=mine, start_new_session=True, preexec_fn=die_with_parent)
             group.append(proc)
-        self.procs[rank] = group
+        self.procs[rank] = ReplicaGroup(rank, group)
         self.seen.pop(rank, None)
         for k in self.kills:  # every earlier kill of the rank is answered by this start
             if k.rank == rank and k.done:
                 k.restarted = True
         if why != "initial":
             self.rejoining.add(rank)
-        self.log(f"started rank {rank} (pid {' '.join(str(p.pid) for p in group)}, {why}"
+        self.log(f"started rank {rank} (pid {self.procs[rank].pids()}, {why}"
                  + (f", {forked} forked" if forked else "") + ")", kind="start", rank=rank, why=why, forked=forked,
                  step=self.committed())
 
@@ -216,17 +218,13 @@ class Supervisor:
         """SIGKILL rank's replica group (process None), or one process of it, which then takes the group down."""
         if rank not in self.procs:
             return
-        if process is not None and len(self.procs[rank]) > 1:
-            self.procs[rank][process].send_signal(signal.SIGKILL)
-            self.procs[rank][process].wait()
+        if process is not None and len(self.procs[rank].procs) > 1:
+            self.procs[rank].kill(process)
             self.log(f"killed process {process} of rank {rank} with SIGKILL at step {self.committed()} ({why})",
                      kind="kill", rank=rank, process=process, why=why, step=self.committed())
             return
-        for proc in self.procs.pop(rank):
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
+        self.procs.pop(rank).kill()
         self.mark_down(rank)
-        self.stalled.pop(rank, None)
         self.log(f"killed rank {rank} with SIGKILL at step {self.committed()} ({why})", kind="kill", rank=rank,
                  why=why, step=self.committed())
 
@@ -243,8 +241,8 @@ class Supervisor:
     def kill_unplanned(self, rank: int) -> None:
         """SIGKILL rank's first process behind the plan's back (as an OOM killer would): the next poll sees an
         unplanned death."""
-        if rank in self.procs and self.procs[rank][0].poll() is None:
-            self.procs[rank][0].send_signal(signal.SIGKILL)
+        if rank in self.procs:
+            self.procs[rank].signal(signal.SIGKILL, process=0)
 
     def stall(self, rank: int, seconds: float) -> None:
         """SIGSTOP rank's processes, SIGCONT after `seconds` (a straggler; math.inf: once every other replica has
@@ -252,9 +250,8 @@ class Supervisor:
         how = f"for {seconds:g} s" if math.isfinite(seconds) else "until every other replica has ended"
         self.log(f"stopped rank {rank} {how} at step {self.committed()}", kind="stall", rank=rank,
                  seconds=seconds if math.isfinite(seconds) else None, step=self.committed())
-        for proc in self.procs.get(rank, ()):
-            proc.send_signal(signal.SIGSTOP)
-        self.stalled[rank] = time.monotonic() + seconds
+        if rank in self.procs:
+            self.procs[rank].stall(seconds)
 
     def restart_lighthouse(self, seconds: float | None) -> None:
         """SIGKILL the lighthouse; start a new one on its address after `seconds` (None: never)."""
@@ -266,12 +263,8 @@ class Supervisor:
     def take_down(self, rank: int, dead: int, code: int, unplanned: bool) -> None:
         """A process of rank's group died: the group cannot go on without its shards, so its other processes are
         killed too (a node lost); the kill plan, or else an immediate restart, brings it back."""
-        for proc in self.procs.pop(rank):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGKILL)
-                proc.wait()
+        self.procs.pop(rank).kill()
         self.mark_down(rank)
-        self.stalled.pop(rank, None)
         what = f"process {dead} died ({how(code)}); its group killed" if self.group_size > 1 else how(code)
         self.log(f"rank {rank} down: {what}", kind="down", rank=rank, process=dead, code=code, unplanned=unplanned,
                  step=self.committed())
@@ -349,12 +342,10 @@ class Supervisor:
                     else:  # nothing committed yet: the others wait for it as one of the run's first replicas
                         self.start(k.rank, "initial", wait_for=self.wait_for)
                 k.restarted = True
-        outlasting = {r for r, until in self.stalled.items() if until == math.inf}
-        for r, until in list(self.stalled.items()):
-            if now >= until or (r in outlasting and not set(self.procs) - outlasting):
-                for proc in self.procs.get(r, ()):
-                    proc.send_signal(signal.SIGCONT)
-                del self.stalled[r]
+        outlasting = {r for r, g in self.procs.items() if g.stalled_until == math.inf}
+        for r, group in list(self.procs.items()):
+            if group.wake_due(others_ended=not set(self.procs) - outlasting):
+                group.wake()
                 self.log(f"rank {r} goes on at step {self.committed()}", kind="stall_end", rank=r, step=self.committed())
         if self.lighthouse_back_at is not None and now >= self.lighthouse_back_at:
             self.lighthouse.restart()
@@ -368,24 +359,24 @@ class Supervisor:
             self.chaos.poll(self, now)
         self.keep_fork_server()
         for r, group in list(self.procs.items()):
-            codes = [proc.poll() for proc in group]
-            dead = [j for j, code in enumerate(codes) if code is not None and code != 0]
-            if not dead:
-                if all(code == 0 for code in codes):  # finished (or the run finished before it could rejoin)
-                    del self.procs[r]
-                    self.furthest = max(self.furthest, steps)
+            ended = group.ended()
+            if ended is None:
                 continue
-            j, code = dead[0], codes[dead[0]]
+            j, code = ended
+            if exit_kind(code) == "finished":  # (or the run finished before it could rejoin)
+                del self.procs[r]
+                self.furthest = max(self.furthest, steps)
+                continue
             if exit_kind(code) == "stopped":
                 self.log(f"rank {r} exited with status {code}", kind="exit", rank=r, process=j, code=code)
                 self.stop_with(r, code, j)  # bad input, or it cannot go on: the others would follow
             planned = any(k.rank == r and k.done and not k.restarted for k in self.kills)
             self.take_down(r, j, code, unplanned=not planned)
             if exit_kind(code) == "crashed":  # a CUDA or NCCL error, an exception: restarted within the budget
-                self.crashes[r] = self.crashes.get(r, 0) + 1
-                self.log(f"rank {r} crashed ({self.line_of(r, j)}); restart {self.crashes[r]} of {self.max_restarts}",
+                within = self.crashes.crashed(r)
+                self.log(f"rank {r} crashed ({self.line_of(r, j)}); restart {self.crashes.of(r)} of {self.max_restarts}",
                          kind="crash", rank=r, process=j, code=code, line=self.line_of(r, j))
-                if self.crashes[r] > self.max_restarts:
+                if not within:
                     self.stop_with(r, code, j)
             if not planned:  # nobody plans its return: restarted at once, as a node replaced
                 self.kills.append(Kill(r, None, 0, done=True))
@@ -428,14 +419,13 @@ class Supervisor:
             elif not line.startswith(f"rank {rank}: "):  # (a replica's own lines name it already)
                 line = f"rank {rank}: {line}"
             raise error(line + (f". {self.after_stop()}" if code == CANNOT_GO_ON else ""))
-        raise TrainingStopped(f"rank {rank} died (exit status {code}) {self.crashes.get(rank, 0)} times, more than "
+        raise TrainingStopped(f"rank {rank} died (exit status {code}) {self.crashes.of(rank)} times, more than "
                               f"--max_restarts {self.max_restarts}: {self.line_of(rank, process)} (see {log}). "
                               + self.after_stop())
 
     def stop(self) -> None:
-        for proc in [p for group in self.procs.values() for p in group]:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
+        for group in self.procs.values():
+            group.kill()
         self.procs.clear()
         if self.forks is not None:
             self.forks.stop()

@@ -53,7 +53,8 @@ from .processes import die_with_parent
 from .progress import ProgressLine
 from .records import atomic_write_text, read_rows
 from .runfiles import DOWN, FINISHED, HEALING, LEFT, STARTING, STEP, TRAINING, read_config, write_replica_status
-from .supervise import EventLog, committed_step, exit_kind, parse_kill, parse_stall, read_statuses, replica_env
+from .supervise import (CrashBudget, EventLog, ReplicaGroup, committed_step, exit_kind, parse_kill, parse_stall,
+                        read_statuses, replica_env)
 
 POLL_S = 0.05
 LIGHTHOUSE_WAIT_S = 120.0  # a node waits this long for the lighthouse to answer before its replica starts
@@ -133,7 +134,7 @@ class Node:
     def __init__(self, out: Path, rank: int, cfg, say_prefix: str):
         self.out, self.rank, self.cfg, self.ranks = out, rank, cfg, cfg.cluster.ranks
         self.log, self.t0, self.prefix = EventLog(out, f"node{rank}"), time.time(), say_prefix
-        self.proc, self.stalled_until = None, None
+        self.group = None  # the replica group's torchrun or process, in a session of its own (ReplicaGroup)
         self.step, self.words = 0, []  # the run as the last look saw it
 
     def say(self, msg: str, **event) -> None:
@@ -154,37 +155,28 @@ class Node:
         others = self.others()
         return bool(others) and all(w == FINISHED for w in others)
 
-    def signal(self, sig: int) -> None:
-        """A signal to every process of the replica group (a session of its own: a node lost, stopped or resumed)."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, sig)
-
     def act(self, order: dict) -> dict | None:
         """Carry out the injector's order; the order if it killed the replica (its restart says when it comes back)."""
         step, why = self.look()[0], order.get("why", "injector")  # (now: the step the injector acted at, or later)
         if order.get("what") == "stall":
             seconds = order.get("seconds")
-            self.signal(signal.SIGSTOP)
-            self.stalled_until = time.monotonic() + seconds if seconds is not None else math.inf
+            self.group.stall(seconds if seconds is not None else math.inf)
             self.say(f"replica {self.rank} stopped " + (f"for {seconds:g} s" if seconds is not None else
                                                        "until every other replica has ended") + f" ({why})",
                      kind="stall", rank=self.rank, seconds=seconds, why=why, step=step)
             return None
-        self.signal(signal.SIGKILL)  # every process of the group: a node lost
         if order.get("what") == "external":  # behind the plan (as an OOM killer would): seen as a death
+            self.group.signal(signal.SIGKILL)
             return None
-        self.proc.wait()
+        self.group.kill()  # every process of the group: a node lost
         write_replica_status(self.out, self.rank, DOWN)  # its peers do not wait for it (FtMembership.members_gone)
         self.log.record(node=self.rank, kind="kill", rank=self.rank, why=why, step=step)  # (the launcher's event
         return order  # names: the merge's recovery timings)
 
     def wake(self) -> None:
         """SIGCONT a stalled group when its stall is over (a stall past the end: once every other replica ended)."""
-        if self.stalled_until is None:
-            return
-        if time.monotonic() >= self.stalled_until or (math.isinf(self.stalled_until) and all(w in GONE for w in self.others())):
-            self.signal(signal.SIGCONT)
-            self.stalled_until = None
+        if self.group.wake_due(others_ended=all(w in GONE for w in self.others())):
+            self.group.wake()
             self.say(f"replica {self.rank} goes on", kind="stall_end", rank=self.rank, step=self.step)
 
     def wait_for_restart(self, restart: dict | None) -> int | None:
@@ -230,14 +222,13 @@ def node(out: Path, rank: int, lighthouse: str, group_size: int | None, max_rest
     wait_for_lighthouse(lighthouse)
     host = os.environ.get("MECEFO_FT_HOST") or socket.gethostname()
     env = replica_env(one_thread=False) | {"MECEFO_FT_HOST": host}  # (less Slurm's or a caller's torchrun)
-    sup, crashes, rejoin, why = Node(out, rank, cfg, f"node {rank}"), 0, False, "initial"
+    sup, crashes, rejoin, why = Node(out, rank, cfg, f"node {rank}"), CrashBudget(max_restarts), False, "initial"
     orders = order_path(out, rank)
     orders.unlink(missing_ok=True)
 
     def stop(signum, _frame):  # scancel, the time limit, Ctrl-C: the replica group goes down with its supervisor
-        if sup.proc is not None and sup.proc.poll() is None:
-            sup.signal(signal.SIGKILL)
-            sup.proc.wait()
+        if sup.group is not None:
+            sup.group.kill()
         raise KeyboardInterrupt
 
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
@@ -248,30 +239,29 @@ def node(out: Path, rank: int, lighthouse: str, group_size: int | None, max_rest
         stopped_with.unlink(missing_ok=True)
         write_replica_status(out, rank, STARTING)  # (not the dead one's)
         with open(out / "replicas" / f"node{rank}.log", "a") as log:
-            sup.proc = subprocess.Popen(replica_command(out, rank, lighthouse, group_size, cfg.cluster.shard, ranks,
-                                                        rejoin, host, min_step_s, tensorboard),
-                                        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                        preexec_fn=die_with_parent)  # (a supervisor SIGKILLed takes its replica along)
-        sup.stalled_until = None
-        sup.say(f"started replica {rank} (pid {sup.proc.pid}, {group_size} process{'es' if group_size > 1 else ''}"
+            proc = subprocess.Popen(replica_command(out, rank, lighthouse, group_size, cfg.cluster.shard, ranks, rejoin,
+                                                    host, min_step_s, tensorboard),
+                                    stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                    preexec_fn=die_with_parent)  # (a supervisor SIGKILLed takes its replica along)
+        sup.group = ReplicaGroup(rank, [proc], sessions=True)
+        sup.say(f"started replica {rank} (pid {sup.group.pids()}, {group_size} process{'es' if group_size > 1 else ''}"
                 f"{', rejoining' if rejoin else ''})", kind="start", rank=rank, why=why, step=sup.look()[0])
         killed, gone_since = None, None
-        while (code := sup.proc.poll()) is None:
+        while (ended := sup.group.ended()) is None:
             order = take_order(orders) if orders.exists() else None
             if order is not None and (killed := sup.act(order)) is not None:
-                code = sup.proc.returncode
+                ended = sup.group.ended()
                 break
             words = sup.look()[1]
             sup.wake()
             if sup.run_over() and words[rank] not in (FINISHED, STEP):
                 gone_since = gone_since or time.monotonic()
                 if time.monotonic() - gone_since > RUN_OVER_S:  # the run ended while this replica was rejoining
-                    sup.signal(signal.SIGKILL)
-                    sup.proc.wait()
+                    sup.group.kill()
                     sup.say(f"the run finished before replica {rank} rejoined ({words[rank]}): stopped", kind="not_rejoined")
                     return 0
             time.sleep(POLL_S)
-        step = sup.look()[0]
+        step, code = sup.look()[0], ended[1]
         if exit_kind(code) != "stopped" and code != 0 and stopped_with.exists():  # under torchrun: the replica's own
             code = int(stopped_with.read_text().strip() or code)  # status (torchrun exits 1 for any worker's failure)
         kind = exit_kind(code)
@@ -291,13 +281,12 @@ def node(out: Path, rank: int, lighthouse: str, group_size: int | None, max_rest
                     unplanned=True, step=step)
             why = "restart after a death"
         else:
-            crashes += 1
             sup.log.record(node=rank, kind="down", rank=rank, code=code, unplanned=True, step=step)
-            if crashes > max_restarts:
-                sup.say(f"replica {rank} crashed (exit {code}) {crashes} times: the node stops", kind="crash", rank=rank,
-                        code=code, step=step)
+            if not crashes.crashed(rank):
+                sup.say(f"replica {rank} crashed (exit {code}) {crashes.of(rank)} times: the node stops", kind="crash",
+                        rank=rank, code=code, step=step)
                 return code
-            sup.say(f"replica {rank} crashed (exit {code}, crash {crashes} of {max_restarts} allowed): restarting",
+            sup.say(f"replica {rank} crashed (exit {code}, crash {crashes.of(rank)} of {max_restarts} allowed): restarting",
                     kind="crash", rank=rank, code=code, step=step)
             why = "restart after a crash"
         sup.look()

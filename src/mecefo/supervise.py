@@ -1,10 +1,12 @@
-"""What every supervisor of torchft replicas shares: the kill grammar, the event log, how a replica's exit is read,
-and how the run's progress is read from the replicas' status files.
+"""What every supervisor of torchft replicas shares: the kill grammar, the replica groups' processes (ReplicaGroup:
+killed, stopped, woken, how they ended) and the crash budget, how a replica's exit is read, the event log, and how
+the run's progress is read from the replicas' status files.
 
 Two programs supervise replicas: `mecefo.launch` (every replica group of a run on one machine) and `mecefo.slurm node`
 (the one replica group of a node of a Slurm job, with `mecefo.slurm watch` injecting failures by files in the run
-folder). Both read their kills in this grammar, draw random failures from `mecefo.chaos`, log events here, and
-decide the same way what an exit means.
+folder). Both read their kills in this grammar, draw random failures from `mecefo.chaos`, hold each replica group
+as a ReplicaGroup, log events here, and decide the same way what an exit means; what differs is how a group starts
+(a process or K of them on this machine, possibly forked; torchrun on a node) and the loop's ending rules.
 
 The kill grammar (`--kill`, both programs):
     RANK:STEP               kill rank RANK's replica group once step STEP is committed; never restarted
@@ -28,6 +30,7 @@ import contextlib
 import json
 import math
 import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,6 +128,70 @@ def parse_stall(spec: str, ranks: int) -> Kill:
         raise UsageError(f"--stall {spec!r}: the rank must be in 0..{ranks - 1}, STEP at least 1, SECONDS positive "
                          "(or end)")
     return stall
+
+
+# ---------------------------------------------------------------------------------------------- a replica group
+class ReplicaGroup:
+    """The processes of one rank's replica group as its supervisor runs them: one process (python -m mecefo.ft), the
+    K processes of --group_size K, or a Slurm node's torchrun (sessions: a signal goes to each process's session,
+    torchrun's workers included). The one place that kills, stops and wakes replicas, and reads how they ended."""
+
+    def __init__(self, rank: int, procs: list, sessions: bool = False):
+        self.rank, self.procs, self.sessions = rank, list(procs), sessions
+        self.stalled_until: float | None = None  # stopped (SIGSTOP) until then (time.monotonic(); inf: the others end)
+
+    def pids(self) -> str:
+        return " ".join(str(p.pid) for p in self.procs)
+
+    def signal(self, sig: int, process: int | None = None) -> None:
+        """sig to every process of the group (process None) or to one, where it still runs."""
+        for p in self.procs if process is None else self.procs[process:process + 1]:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, sig) if self.sessions else p.send_signal(sig)
+
+    def kill(self, process: int | None = None) -> None:
+        """SIGKILL every process (a node lost) or one, and reap them."""
+        self.signal(signal.SIGKILL, process)
+        for p in self.procs if process is None else self.procs[process:process + 1]:
+            p.wait()
+
+    def stall(self, seconds: float) -> None:
+        """SIGSTOP for `seconds` (math.inf: until wake_due says every other replica has ended)."""
+        self.signal(signal.SIGSTOP)
+        self.stalled_until = time.monotonic() + seconds
+
+    def wake_due(self, others_ended: bool) -> bool:
+        """Whether its stall is over: its time has come, or (a stall past the end) every other replica has ended."""
+        until = self.stalled_until
+        return until is not None and (time.monotonic() >= until or (math.isinf(until) and others_ended))
+
+    def wake(self) -> None:
+        self.signal(signal.SIGCONT)
+        self.stalled_until = None
+
+    def ended(self) -> tuple[int | None, int] | None:
+        """None while it runs; (None, 0) once every process exited 0; else (process, code) of the first that died."""
+        codes = [p.poll() for p in self.procs]
+        dead = [j for j, code in enumerate(codes) if code is not None and code != 0]
+        if dead:
+            return dead[0], codes[dead[0]]
+        return (None, 0) if all(code == 0 for code in codes) else None
+
+
+class CrashBudget:
+    """--max_restarts: how many times each rank may crash (exit_kind 'crashed') and be restarted."""
+
+    def __init__(self, max_restarts: int):
+        self.max_restarts, self.crashes = max_restarts, {}
+
+    def crashed(self, rank: int) -> bool:
+        """Count a crash of rank's replica; whether it may be restarted."""
+        self.crashes[rank] = self.crashes.get(rank, 0) + 1
+        return self.crashes[rank] <= self.max_restarts
+
+    def of(self, rank: int) -> int:
+        return self.crashes.get(rank, 0)
 
 
 # ---------------------------------------------------------------------------------------------- a replica's exit
