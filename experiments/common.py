@@ -1,6 +1,44 @@
-"""Shared by the experiment modules: result paths and configs (mecefo.results), CLI error handling."""
+"""Shared by the experiment modules: result paths and configs (mecefo.results), CLI error handling, and
+independent runs two at a time (`in_parallel`)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from typing import Callable, Iterable, Iterator
 
 from mecefo.errors import guarded
 from mecefo.results import CONFIGS, RESULTS, ROOT, load_config, run_dir
 
-__all__ = ["CONFIGS", "RESULTS", "ROOT", "guarded", "load_config", "run_dir"]
+__all__ = ["CONFIGS", "RESULTS", "ROOT", "default_jobs", "guarded", "in_parallel", "load_config", "run_dir"]
+
+
+def default_jobs(best: int) -> int:
+    """How many runs at once: MECEFO_JOBS if set, else `best` (what the caller measured fastest on 2 cores) up to
+    one per core. Measured on 2 cores: two sweep cells (tiny, n = 32) at once with one thread each take 0.98x the
+    time of one after the other with two threads (best = 1); the rate's nano runs finish 1.4x sooner two at a time
+    (best = 2)."""
+    env = os.environ.get("MECEFO_JOBS")
+    return max(1, int(env)) if env else max(1, min(best, os.cpu_count() or 1))
+
+
+def _one_thread() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def in_parallel(fn: Callable, items: Iterable, jobs: int) -> Iterator[tuple[int, object]]:
+    """(index, fn(item)) for every item, in the order they finish. jobs > 1: `jobs` spawned processes of one torch
+    thread each (fn and the items must pickle; an exception in fn is raised here); jobs = 1: here, in order, with
+    this process's threads."""
+    items = list(items)
+    if jobs <= 1 or len(items) <= 1:
+        for i, item in enumerate(items):
+            yield i, fn(item)
+        return
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_one_thread) as pool:
+        futures = {pool.submit(fn, item): i for i, item in enumerate(items)}
+        for f in as_completed(futures):
+            yield futures[f], f.result()

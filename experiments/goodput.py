@@ -57,6 +57,7 @@ from mecefo.train import run
 from . import goodput_envelope as envelope_mod
 from . import goodput_sim
 from . import sweep
+from .common import default_jobs, in_parallel
 from .throughput import PAPER_JOBS
 
 LENGTHS = {"quick": (30, 40, 50), "default": (200, 240, 270)}  # besides the sweep's own length (60, 300)
@@ -93,36 +94,52 @@ def extra_cells(prof: str, throughput: dict) -> list[tuple[str, str, "sweep.Cell
     return out + [("null", "high", sweep.Cell(d.n, "high", NULL_CONTROL, s, tag="null")) for s in range(d.high_seeds)]
 
 
+def _train(job: tuple) -> dict:
+    """One run (or its cached summary): job = (config, folder); top-level, for in_parallel's processes."""
+    cfg, path = job
+    return run(cfg, path, quiet=True)
+
+
+def _train_all(jobs: list[tuple], desc: str) -> list[dict]:
+    """The summaries of the (config, folder) runs, in order, trained default_jobs(1) at a time (sweep cells: two at a time gain nothing on 2 cores)."""
+    out: list[dict | None] = [None] * len(jobs)
+    bar = tqdm(total=len(jobs), desc=desc, disable=not sys.stderr.isatty())
+    for i, summary in in_parallel(_train, jobs, default_jobs(1)):
+        out[i] = summary
+        bar.update()
+    bar.close()
+    return out
+
+
 def train_extra(prof: str, throughput: dict) -> list[dict]:
     """Train (or reuse) extra_cells: one entry per run, as the sweep's index lists its cells."""
     todo = extra_cells(prof, throughput)
-    out = []
-    for cohort, level, cell in tqdm(todo, desc="goodput's own runs", disable=not sys.stderr.isatty()):
+    jobs = []
+    for _, _, cell in todo:
         cfg = sweep.cell_config(sweep.DESIGNS[prof].base, cell)
-        path = run_dir("goodput", cfg)
-        run(cfg, path, quiet=True)
-        out.append({"cohort": cohort, "level": level, "policy": cell.policy, "seed": cell.seed, "failures": cell.level,
-                    "run": str(path.relative_to(RESULTS))})
-    return out
+        jobs.append((cfg, run_dir("goodput", cfg)))
+    _train_all(jobs, "goodput's own runs")
+    return [{"cohort": cohort, "level": level, "policy": cell.policy, "seed": cell.seed, "failures": cell.level,
+             "run": str(path.relative_to(RESULTS))} for (cohort, level, cell), (_, path) in zip(todo, jobs)]
 
 
 def failure_free_curves(prof: str) -> dict[int, list[dict]]:
     """Per seed of the sweep's failure-free cells: (steps, final validation loss) of failure-free runs of
     every length (trained here, or reused; the sweep's own length is its run)."""
     d = sweep.DESIGNS[prof]
-    todo = [(seed, length) for seed in range(d.high_seeds) for length in LENGTHS[prof]]
-    bar = tqdm(todo, desc="failure-free runs of other lengths", disable=not sys.stderr.isatty())
-    curves: dict[int, list[dict]] = {}
+    seeds, jobs = [], []  # the sweep's own run of each seed (cached there), then the other lengths
     for seed in range(d.high_seeds):
         full = sweep.cell_config(d.base, sweep.Cell(d.n, "none", "none", seed))
-        curves[seed] = [{"steps": full.train.steps, "run": str(run_dir("sweep", full).relative_to(RESULTS)),
-                         "val_loss": run(full, run_dir("sweep", full), quiet=True)["final_val_loss"]}]
-    for seed, length in bar:
-        full = sweep.cell_config(d.base, sweep.Cell(d.n, "none", "none", seed))
-        cfg = config_mod.with_overrides(full, train={"steps": length})
-        out = run_dir("goodput", cfg)
-        curves[seed].append({"steps": length, "run": str(out.relative_to(RESULTS)),
-                             "val_loss": run(cfg, out, quiet=True)["final_val_loss"]})
+        seeds.append(seed)
+        jobs.append((full, run_dir("sweep", full)))
+        for length in LENGTHS[prof]:
+            cfg = config_mod.with_overrides(full, train={"steps": length})
+            seeds.append(seed)
+            jobs.append((cfg, run_dir("goodput", cfg)))
+    curves: dict[int, list[dict]] = {seed: [] for seed in range(d.high_seeds)}
+    for seed, (cfg, out), summary in zip(seeds, jobs, _train_all(jobs, "failure-free runs of other lengths")):
+        curves[seed].append({"steps": cfg.train.steps, "run": str(out.relative_to(RESULTS)),
+                             "val_loss": summary["final_val_loss"]})
     return {seed: sorted(points, key=lambda p: p["steps"]) for seed, points in curves.items()}
 
 

@@ -25,7 +25,7 @@ from mecefo.policies import simulator_policies
 from mecefo.records import atomic_write_json, git_commit
 from mecefo.results import SIMULATOR_SOURCES, measurement, quick_flag, read_measurement, reusable, sources_digest
 
-from .common import guarded
+from .common import default_jobs, guarded, in_parallel
 from .throughput import PAPER_JOBS, run_cell
 
 LEVELS = ("low", "mid", "high")
@@ -75,17 +75,27 @@ def scenario_of(gpu_mtbf_h: float, recovery_h: float) -> FailureScenario:
     return FailureScenario(f"mtbf{gpu_mtbf_h:g}-rec{recovery_h:g}", gpu_mtbf_h / REFERENCE_RANKS, recovery_h)
 
 
-def leader_map(grid: dict) -> list[dict]:
-    """Per (GPUs, GPU MTBF, recovery): each policy's throughput kept against the job's failure-free throughput
-    (mecefo's, which every policy without redundancy shares) and the run's failed fraction of GPUs."""
-    points = [(g, m, r) for r in grid["recovery_h"] for m in grid["gpu_mtbf_h"] for g in grid["gpus"]]
-    out = []
-    for gpus, m, r in tqdm(points, desc="goodput map", disable=not sys.stderr.isatty()):
-        job, sc = scaling_job(gpus), scenario_of(m, r)
-        base = run_cell(job, SCENARIOS["none"], 1, simulator_policies())["mecefo"]["mean"]
-        cell = run_cell(job, sc, grid["seeds"], simulator_policies())
-        out.append({"gpus": gpus, "gpu_mtbf_h": m, "recovery_h": r, "failed_fraction": sc.expected_failed_fraction(),
-                    "kept": {p: {"mean": v["mean"] / base, "ci95": [c / base for c in v["ci95"]]} for p, v in cell.items()}})
+def map_point(point: tuple[int, float, float, int]) -> dict:
+    """One (GPUs, GPU MTBF, recovery, seeds) point of the leader map: each policy's throughput kept against the
+    job's failure-free throughput (mecefo's, which every policy without redundancy shares) and the run's failed
+    fraction of GPUs."""
+    gpus, m, r, seeds = point
+    job, sc = scaling_job(gpus), scenario_of(m, r)
+    base = run_cell(job, SCENARIOS["none"], 1, simulator_policies())["mecefo"]["mean"]
+    cell = run_cell(job, sc, seeds, simulator_policies())
+    return {"gpus": gpus, "gpu_mtbf_h": m, "recovery_h": r, "failed_fraction": sc.expected_failed_fraction(),
+            "kept": {p: {"mean": v["mean"] / base, "ci95": [c / base for c in v["ci95"]]} for p, v in cell.items()}}
+
+
+def leader_map(grid: dict, jobs: int) -> list[dict]:
+    """map_point at every point of the grid, `jobs` points at a time (the simulator is one Python thread)."""
+    points = [(g, m, r, grid["seeds"]) for r in grid["recovery_h"] for m in grid["gpu_mtbf_h"] for g in grid["gpus"]]
+    out: list[dict | None] = [None] * len(points)
+    bar = tqdm(total=len(points), desc=f"goodput map ({jobs} at a time)", disable=not sys.stderr.isatty())
+    for i, row in in_parallel(map_point, points, jobs):
+        out[i] = row
+        bar.update()
+    bar.close()
     return out
 
 
@@ -102,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
               "map_grid": grid}
     result["spares"] = spares(result["seeds"])
     result["own_failure_free"] = own_failure_free(sizes)
-    result["map"] = leader_map(grid)
+    result["map"] = leader_map(grid, default_jobs(2))
     atomic_write_json(path, result)
     print(f"-> {path}")
     return 0

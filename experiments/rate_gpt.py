@@ -44,7 +44,7 @@ from mecefo.data import TokenData
 from mecefo.model import GPT, preset
 from mecefo.train import Run
 
-from .common import RESULTS, guarded, load_config, run_dir
+from .common import RESULTS, default_jobs, guarded, in_parallel, load_config, run_dir
 
 C = 0.3  # eta = C sqrt(n / T): at most 0.19 (n = 16, T = 40)
 PER_RANK_BATCH = 4  # sequences of 64 tokens
@@ -191,8 +191,13 @@ def one_run(policy: str, n: int, steps: int, seed: int, start: Path, c: float = 
             "failed_step_fraction": failed_steps / steps, "final_loss": row["loss"]}
 
 
+def _one_run(args: tuple) -> dict:
+    return one_run(*args)
+
+
 def main(argv: list[str] | None = None) -> int:
     quick = quick_flag(argv, __doc__)
+    jobs = default_jobs(2)
     g = grid(quick)
     path = measurement("rate_gpt", "rate_gpt", quick)
     start, curve = reference(quick)
@@ -208,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     swept = {r["C"]: r for r in old.get("step_sweep", [])} if old.get("key") == key else {}
     runs, step_sweep = [], []
 
-    def write() -> None:  # after every run: an interruption keeps them
+    def write() -> None:
         atomic_write_json(path, {"key": key, "grid": g, "C": C, "per_rank_batch": PER_RANK_BATCH,
                                  "seconds_per_step": SECONDS_PER_STEP, "eval_points": EVAL_POINTS,
                                  "held_out_windows": HELD_OUT_WINDOWS, "reference": str(start.parent.relative_to(RESULTS)),
@@ -217,12 +222,19 @@ def main(argv: list[str] | None = None) -> int:
                                  "complete": len(runs) == len(cells) and len(step_sweep) == len(sweep["Cs"]),
                                  "git_commit": git_commit(), "runs": runs})
 
-    for cell in tqdm(cells, desc="rate on the GPT", disable=not sys.stderr.isatty()):
-        runs.append(done.get(cell) or one_run(*cell, start))
-        write()
-    for c in sweep["Cs"]:  # the same cell at smaller C (failure-free, seed 0)
-        step_sweep.append(swept.get(c) or one_run("failure-free", sweep["n"], sweep["T"], 0, start, c))
-        write()
+    runs += [done[c] for c in cells if c in done]
+    step_sweep += [swept[c] for c in sweep["Cs"] if c in swept]
+    todo = [(*c, start) for c in cells if c not in done]
+    n_cells = len(todo)  # todo's first n_cells are the grid's, the rest the step sweep's
+    todo += [("failure-free", sweep["n"], sweep["T"], 0, start, c) for c in sweep["Cs"] if c not in swept]
+    bar = tqdm(total=len(todo), desc=f"rate on the GPT ({jobs} at a time)", disable=not sys.stderr.isatty())
+    for i, r in in_parallel(_one_run, todo, jobs):  # the same cell at smaller C: failure-free, seed 0, its own C
+        (runs if i < n_cells else step_sweep).append(r)
+        bar.update()
+        write()  # after every run: an interruption keeps them
+    runs.sort(key=lambda r: cells.index((r["policy"], r["n"], r["T"], r["seed"])))
+    step_sweep.sort(key=lambda r: sweep["Cs"].index(r["C"]))
+    write()
     print(f"{len(runs)} runs -> {path}")
     return 0
 

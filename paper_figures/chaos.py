@@ -16,7 +16,7 @@ import numpy as np
 from mecefo.errors import UsageError, guarded
 from mecefo.results import RESULTS
 
-from .common import save_figure, style, update_readme, write_table
+from .common import save_figure, style, write_block, write_table
 
 
 def _ecdf(ax, values: list[float], label: str, color, ls: str = "-") -> None:
@@ -169,8 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     paths = save_figure(figure(result), "chaos")
     text = section(result)
     paths.append(write_table("chaos", text + "\n"))
-    if not args.quick:
-        paths.append(update_readme("chaos", text))
+    paths.append(write_block("chaos", text, args.quick))
     for p in paths:
         if p is not None:
             print(f"wrote {p}")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import tempfile
 from pathlib import Path
 
@@ -57,16 +56,14 @@ def save_figure(fig, name: str, committed: bool = False) -> list[Path]:
 
 def write_table(name: str, markdown: str) -> Path:
     path = OUT / f"{name}.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, markdown)
     return path
 
 
-def update_readme(block: str, section: str) -> Path | None:
-    """Replace the README's text between <!-- block:begin --> and <!-- block:end --> by `section`."""
-    readme = ROOT / "README.md"
-    text = readme.read_text()
-    pattern = re.compile(rf"(<!-- {block}:begin -->\n).*?(\n<!-- {block}:end -->)", re.S)
-    if not pattern.search(text):
-        return None
-    atomic_write_text(readme, pattern.sub(lambda m: m.group(1) + section + m.group(2), text))
-    return readme
+def write_block(block: str, text: str, quick: bool | None) -> Path:
+    """A generated block of the README or a docs/ page: paper_figures/out/blocks-<quick|default|any>/<block>.md,
+    spliced between the page's `<!-- block:begin -->` and `<!-- block:end -->` markers by `python -m
+    paper_figures.readme` (the one writer of the pages). quick=None: a block true under any profile (the
+    profiles' times), spliced into the committed pages by every profile."""
+    return write_table(f"blocks-{'any' if quick is None else 'quick' if quick else 'default'}/{block}", text)

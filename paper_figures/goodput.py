@@ -20,7 +20,7 @@ from mecefo.errors import guarded
 from mecefo.stats import percent
 from mecefo.results import quick_flag, read_measurement
 
-from .common import plain_log_ticks, save_figure, style, update_readme, write_table
+from .common import plain_log_ticks, save_figure, style, write_block, write_table
 
 LEVEL_MARKERS = {"low": "o", "mid": "s", "high": "^"}
 
@@ -368,8 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     paths += save_figure(frontier_figure(result), "goodput_frontier", committed=not quick)
     paths += save_figure(rate_figure(result), "goodput_rate", committed=not quick)
     paths += save_figure(map_figure(result), "goodput_map", committed=not quick)
-    if not quick:
-        paths.append(update_readme("goodput", section))
+    paths.append(write_block("goodput", section, quick))
     for p in paths:
         if p is not None:
             print(f"wrote {p}")

@@ -15,7 +15,7 @@ import sys
 from mecefo.errors import UsageError, guarded
 from mecefo.results import RESULTS
 
-from .common import update_readme, write_table
+from .common import write_block, write_table
 
 SETS = ("skip_attention", "recompute_ffn", "low_rank_wgrad", "mecefo")
 
@@ -99,8 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     text = section(json.loads(path.read_text()), json.loads(system.read_text()) if system.exists() else None,
                    json.loads(refresh.read_text()) if refresh.exists() else None)
     paths = [write_table("neighbour", text + "\n")]
-    if not args.quick:
-        paths.append(update_readme("neighbour", text))
+    paths.append(write_block("neighbour", text, args.quick))
     for p in paths:
         if p is not None:
             print(f"wrote {p}")

@@ -20,7 +20,7 @@ from mecefo.errors import UsageError, guarded
 from mecefo.model import count_parameters, preset
 from mecefo.results import RESULTS, paper_numbers, quick_flag
 
-from .common import plain_log_ticks, read_jsonl, save_figure, style, update_readme, write_table
+from .common import plain_log_ticks, read_jsonl, save_figure, style, write_block, write_table
 
 LEVELS = ["none", "low", "mid", "high"]
 POLICY_NAMES = {"none": "failure-free"}  # the one display map of policy ids
@@ -54,7 +54,7 @@ def table_markdown(df: pd.DataFrame, t3: dict) -> str:
     lines = ["# Validation perplexity under failures (the paper's Table 3, at our scale)\n",
              f"Embedded Shakespeare+Milton corpus, base config `experiments/configs/{t3['base_config']}.toml`, n = {n}, "
              f"global batch fixed and split over n ranks; perplexity = {evaluation_words(t3)}; mean ± sd over seeds "
-             f"{', '.join(map(str, seeds))} (the seeds every cell ran; paired changes with all seeds: README, Results).\n",
+             f"{', '.join(map(str, seeds))} (the seeds every cell ran; paired changes with all seeds: docs/results.md).\n",
              "| policy | " + " | ".join(LEVELS) + " |", "|---|" + "---|" * len(LEVELS)]
     none = main[main["level"] == "none"]["val_ppl"]
     for policy in sorted(set(main["policy"]) - {"none"}):
@@ -385,8 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     paths += save_figure(power_figure(t3), "sweep_power_curve", committed)
     section = results_section(df, t3)
     paths.append(write_table("results_section", section))
-    if profile != "quick":
-        paths.append(update_readme("results", section))
+    paths.append(write_block("results", section, profile == "quick"))
     for p in paths:
         print(f"wrote {p}")
     return 0

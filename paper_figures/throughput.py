@@ -19,7 +19,7 @@ from mecefo.errors import UsageError, guarded
 from mecefo.results import quick_flag, read_measurement
 from mecefo.simulator import BREAKDOWN
 
-from .common import save_figure, style, update_readme, write_table
+from .common import save_figure, style, write_block, write_table
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
@@ -147,8 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                              committed=not quick and key in ("H1", "H3"))
     paths += save_figure(scaling_figure(result), "throughput_scaling")
     paths += save_figure(breakdown_figure(result), "throughput_breakdown")
-    if not quick:
-        paths.append(update_readme("table2", section))
+    paths.append(write_block("table2", section, quick))
     for p in paths:
         if p is not None:
             print(f"wrote {p}")

@@ -1,9 +1,11 @@
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mecefo import failures
 from mecefo.errors import UsageError
-from mecefo.failures import SCENARIOS, Event, export_trace, from_events, generate, read_trace
+from mecefo.failures import SCENARIOS, Event, arrivals, export_trace, from_events, generate, read_trace
 
 
 @pytest.mark.parametrize("name", ["low", "mid", "high"])
@@ -251,3 +253,31 @@ def test_a_logged_replay_is_not_shifted_again_and_a_warm_start_past_the_end_leav
     assert shifted.failed[10:] == failures.resolve("high", 32, 50, 219.6, seed=3, start="stationary").failed[:40]
     past = generate(SCENARIOS["high"], 32, 50, 219.6, seed=3, start="stationary").after_warm_start(50)
     assert past.failure_events() == 0 and not past.events and all(not f for f in past.failed)
+
+
+def naive_arrivals(pool, rng, begin, horizon, rate_per_s, draw_hours):
+    """arrivals() by a scan of the pool at every arrival (an independent computation of the same draws)."""
+    down_until = {r: begin - 1.0 for r in pool}
+    events, t = [], begin + rng.exponential(1 / rate_per_s)
+    while t < horizon:
+        alive = [r for r in pool if down_until[r] <= t]
+        if alive:
+            rank = alive[rng.integers(len(alive))]
+            down_until[rank] = t + draw_hours() * 3600.0
+            events += [Event(t, "remove", rank), Event(down_until[rank], "add", rank)]
+        t += rng.exponential(1 / rate_per_s)
+    return events
+
+
+@settings(max_examples=200, deadline=None)
+@given(pool=st.lists(st.integers(0, 40), min_size=1, max_size=30), seed=st.integers(0, 2**31),
+       rate_per_s=st.floats(1e-4, 1e-1), recovery_h=st.floats(1e-3, 2.0), exponential=st.booleans(),
+       begin=st.sampled_from([0.0, -3600.0]))
+def test_arrivals_draw_what_a_scan_of_the_pool_draws(pool, seed, rate_per_s, recovery_h, exponential, begin):
+    """The same ranks at the same times as the scan, ties, duplicates in the pool and ranks back at once included."""
+    def draws(rng):
+        return (lambda: rng.exponential(recovery_h)) if exponential else (lambda: recovery_h)
+
+    a, b = np.random.default_rng(seed), np.random.default_rng(seed)
+    assert arrivals(tuple(pool), a, begin, 20_000.0, rate_per_s, draws(a)) == \
+        naive_arrivals(tuple(pool), b, begin, 20_000.0, rate_per_s, draws(b))

@@ -1,4 +1,4 @@
-"""The trainer on a Hugging Face model (mecefo.hf, --hf_config): the README's three commands (local,
+"""The trainer on a Hugging Face model (mecefo.hf, --hf_config): docs/huggingface.md's three commands (local,
 torchrun, mecefo.launch) run as written, MeCeFO under failures; the torchft run equals its local twin; bad
 input is refused with one line; the cost accounting says what it cannot count."""
 
@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 HF = "experiments/configs/hf/llama-nano.json"
 ARGS = ["--config", "experiments/configs/nano.toml", "--hf_config", HF, "--ranks", "4", "--failures", "high",
         "--seconds_per_step", "600", "--steps", "30"]
-COMMANDS = {  # the README's, word for word (checked below)
+COMMANDS = {  # docs/huggingface.md's, word for word (checked below)
     "local": ["mecefo.train", *ARGS, "--out", "results/hf/local"],
     "torchrun": ["torch.distributed.run", "--standalone", "--nproc_per_node", "4", "-m", "mecefo.train", *ARGS,
                  "--backend", "torch", "--out", "results/hf/torch"],
@@ -28,7 +28,7 @@ def readme_line(module_args: list[str]) -> str:
 
 
 def test_the_readme_gives_these_commands():
-    readme = " ".join((ROOT / "README.md").read_text().replace("\\\n", " ").split())
+    readme = " ".join((ROOT / "docs" / "huggingface.md").read_text().replace("\\\n", " ").split())
     for args in COMMANDS.values():
         assert readme_line(args) in readme, readme_line(args)
 

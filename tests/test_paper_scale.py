@@ -304,10 +304,10 @@ def _scaled(line: str, shards, out, port: int, rendezvous: str = "static") -> li
 
 
 def _readme_command() -> list[str]:
-    """The torchrun command of the README's "From N nodes of 8 GPUs and a C4 copy" block."""
+    """The torchrun command of docs/gpus.md's "From N nodes of 8 GPUs and a C4 copy" block."""
     from tests.conftest import ROOT
 
-    block = (ROOT / "README.md").read_text().split("### From N nodes of 8 GPUs and a C4 copy")[1].split("```")[1]
+    block = (ROOT / "docs" / "gpus.md").read_text().split("### From N nodes of 8 GPUs and a C4 copy")[1].split("```")[1]
     joined = block.replace("\\\n", " ")
     return next(ln for ln in joined.splitlines() if ln.startswith("torchrun ")).split()
 
@@ -345,7 +345,7 @@ def test_the_full_commands_run_scaled_down_on_two_nodes_with_failures_and_a_resu
     write_c4_shard(shards / "en" if preset == "llama-7b" else shards, "validation", 40, 1)
     script, _ = full_commands()
     line = next(ln for ln in script.splitlines() if f"--preset {preset} " in ln and "--failures high" in ln)
-    if preset == "llama-7b":  # the README's command is this line, word for word
+    if preset == "llama-7b":  # docs/gpus.md's command is this line, word for word
         assert _readme_command() == line.split()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

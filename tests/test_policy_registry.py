@@ -1,6 +1,6 @@
 """A new policy is one file: tests/policy_example.py, registered through MECEFO_POLICY_MODULES, is run by
 the trainer (in process and from the CLI), simulated by the simulator, selected by the sweep, and shown in
-the README's generated policy table - without a change to any other file."""
+the docs' generated policy table - without a change to any other file."""
 
 import pytest
 
@@ -76,11 +76,8 @@ def test_the_generated_table_lists_the_policy(example):
     assert f"| `{NAME}` |" in policies.table()
 
 
-def test_the_readme_policy_table_is_the_registrys():
-    """The README's table is generated (python -m mecefo.policies --readme, run by run_all.sh)."""
-    from pathlib import Path
+def test_the_docs_policy_table_is_the_registrys():
+    """docs/training.md's table is generated (python -m paper_figures.readme, run by run_all.sh)."""
+    from paper_figures.readme import block_text
 
-    from mecefo.policies.__main__ import BEGIN, END
-
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert readme.split(BEGIN)[1].split(END)[0].strip() == policies.table().strip()
+    assert block_text("policies").strip() == policies.table().strip()

@@ -1,4 +1,4 @@
-"""The README's Slurm path ("On a Slurm cluster"), every command of its block run as written on a fake two-node
+"""docs/gpus.md's Slurm path ("On a Slurm cluster"), every command of its block run as written on a fake two-node
 allocation (tests/fake_slurm: sbatch, srun and scontrol as local processes with the variables Slurm sets), with the
 run's flags scaled down (nano, a few steps, C4 shards of a few hundred documents, the CPU) and every other flag
 kept. Not run: `pip install` (CI's first step), `tail -f`, and the download, which is checked against
@@ -35,13 +35,13 @@ NOT_RUN = {"pip install -r requirements.txt": "CI's first step", "huggingface-cl
 
 def block() -> list[str]:
     """The block's commands, one per line (continuations joined, comments dropped)."""
-    text = (ROOT / "README.md").read_text().split("## On a Slurm cluster")[1].split("```bash")[1].split("```")[0]
+    text = (ROOT / "docs" / "gpus.md").read_text().split("## On a Slurm cluster")[1].split("```bash")[1].split("```")[0]
     return [ln.strip() for ln in text.replace("\\\n", " ").splitlines() if ln.strip() and not ln.startswith("#")]
 
 
 def command(starts: str) -> list[str]:
     found = [ln for ln in block() if ln.startswith(starts)]
-    assert found, f"the README's Slurm block has no line starting with {starts!r}"
+    assert found, f"docs/gpus.md's Slurm block has no line starting with {starts!r}"
     return found
 
 
@@ -66,7 +66,7 @@ def scaled(line: str) -> str:
 
 
 def run(line: str, env: dict, timeout: int = 300) -> subprocess.CompletedProcess:
-    """A README line in bash, after FLAGS is set as the block sets it (scaled down)."""
+    """A docs/gpus.md line in bash, after FLAGS is set as the block sets it (scaled down)."""
     return subprocess.run(["bash", "-c", f'FLAGS="{flags_line()}"\n{line}'], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -94,7 +94,7 @@ def cluster(tmp_path):
 
 def test_every_line_of_the_block_is_run_here_or_says_why_not():
     for line in block():
-        assert line.startswith(RUN) or line.startswith(tuple(NOT_RUN)), f"the README's Slurm block: {line!r} is not run"
+        assert line.startswith(RUN) or line.startswith(tuple(NOT_RUN)), f"docs/gpus.md's Slurm block: {line!r} is not run"
 
 
 def test_the_download_fetches_the_shards_the_runs_tokens_need():

@@ -44,9 +44,9 @@ def test_every_backend_writes_the_same_record_schema(tmp_path):
     assert {"rank", "time"} <= set(metrics(tmp_path / "torchft")[1]["backend"])  # the replica that wrote the row, and its wall clock
 
 
-def test_the_readme_backend_table_is_the_registrys():
+def test_the_docs_backend_table_is_the_registrys():
+    """docs/training.md's table of backends is generated (python -m paper_figures.readme, run by run_all.sh)."""
     from mecefo.cluster import backends_table
-    from tests.conftest import ROOT
+    from paper_figures.readme import block_text
 
-    readme = (ROOT / "README.md").read_text()
-    assert readme.split("<!-- backends:begin -->")[1].split("<!-- backends:end -->")[0].strip() == backends_table()
+    assert block_text("backends").strip() == backends_table().strip()

@@ -1,3 +1,4 @@
+import heapq
 import math
 
 import pytest
@@ -226,6 +227,27 @@ def test_oobleck_templates():
     assert compute_time((1,) * 7, 64, 1, t) == pytest.approx(math.ceil(64 / 7) * t)
     full, slower = simulate(PAPER_7B, "oobleck", [], H), simulate(PAPER_7B, "oobleck", [Event(0.0, "remove", 5)], H)
     assert slower.throughput < full.throughput * 31 / 32  # a 3-stage template is slower than a perfect rescale
+
+
+def greedy_compute_time(sizes, micro_batches, pp, t_mb):
+    """An independent computation of compute_time: hand out micro-batches one at a time, each to the pipeline
+    that would finish it earliest, and take the last finish."""
+    heap = [(t_mb * pp, 1, p) for p in sizes]
+    heapq.heapify(heap)
+    worst = 0.0
+    for _ in range(micro_batches):
+        t, m, p = heapq.heappop(heap)
+        worst = max(worst, t)
+        heapq.heappush(heap, ((m + p) * t_mb * pp / p, m + 1, p))
+    return worst
+
+
+@settings(max_examples=300, deadline=None)
+@given(pp=st.integers(1, 8), data=st.data(), micro_batches=st.integers(0, 400),
+       t_mb=st.floats(1e-4, 10.0, allow_nan=False))
+def test_oobleck_compute_time_equals_the_greedy_assignment(pp, data, micro_batches, t_mb):
+    sizes = tuple(data.draw(st.lists(st.integers(1, pp), min_size=1, max_size=40)))
+    assert compute_time(sizes, micro_batches, pp, t_mb) == greedy_compute_time(sizes, micro_batches, pp, t_mb)
 
 
 def test_oobleck_rejoin_at_next_failure_keeps_recovered_gpus_idle():

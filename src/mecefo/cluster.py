@@ -33,7 +33,7 @@ class ClusterConfig:
     failures: str = "none"  # none | low | mid | high | custom:<interval_h>:<recovery_h> | path/to/trace.csv
     policy: str = "mecefo"  # a registered policy (mecefo.policies.trainer_policies())
     techniques: str = "mecefo"  # what mecefo's neighbours / spread-mecefo's extra shares apply
-    seconds_per_step: float = 44.0  # maps the scenarios' hours to steps (see README)
+    seconds_per_step: float = 44.0  # maps the scenarios' hours to steps (see docs/training.md)
     recovery: str = "fixed"  # fixed | exponential
     failure_start: str = "stationary"  # stationary (ranks already down at step 0 as in steady state) | cold (all alive)
     failable: str = ""  # asymmetric mode: comma-separated ranks that can fail ("" = all)

@@ -18,7 +18,9 @@ run of H hours the failed fraction is only about 1 - R / (2H) of the stationary 
 
 from __future__ import annotations
 
+import bisect
 import csv
+import heapq
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +98,32 @@ class Schedule:
         return self.failed[step] - before
 
 
+def arrivals(pool: tuple[int, ...], rng: np.random.Generator, begin: float, horizon: float, rate_per_s: float,
+             draw_hours) -> list[Event]:
+    """Poisson arrivals at rate_per_s from `begin` until `horizon` (seconds); each takes a rank drawn uniformly
+    from the alive ones of `pool` (in pool order), down for draw_hours() hours; an arrival finding none alive is
+    lost. Returns each failure's remove and add events, in arrival order. The alive ranks are kept as their
+    positions in pool, sorted, and the down ones in a heap by when they come back: an arrival costs log(pool)."""
+    where: dict[int, list[int]] = {}  # a rank's positions in pool (one, unless pool names it twice)
+    for i, r in enumerate(pool):
+        where.setdefault(r, []).append(i)
+    alive, down, events = list(range(len(pool))), [], []
+    t = begin + rng.exponential(1 / rate_per_s)
+    while t < horizon:
+        while down and down[0][0] <= t:  # back by now
+            for i in where[heapq.heappop(down)[1]]:
+                bisect.insort(alive, i)
+        if alive:
+            rank = pool[alive[rng.integers(len(alive))]]
+            until = t + draw_hours() * 3600.0
+            heapq.heappush(down, (until, rank))
+            for i in where[rank]:
+                del alive[bisect.bisect_left(alive, i)]
+            events += [Event(t, "remove", rank), Event(until, "add", rank)]
+        t += rng.exponential(1 / rate_per_s)
+    return events
+
+
 def generate(scenario: FailureScenario, n_ranks: int, steps: int, seconds_per_step: float, seed: int,
              recovery: str = "fixed", failable: tuple[int, ...] | None = None, start: str = "cold") -> Schedule:
     """Sample a schedule: Poisson arrivals at rate n / (32 interval_h) per hour (all arrivals land on the
@@ -120,16 +148,8 @@ def generate(scenario: FailureScenario, n_ranks: int, steps: int, seconds_per_st
             raise UsageError(f"cluster.failures={scenario.name!r} over {steps} steps of {seconds_per_step:g} s on {n_ranks} "
                              f"ranks expects {expected:.3g} failure arrivals (more than {MAX_EXPECTED_ARRIVALS:.0e}); "
                              "lengthen the interval or shorten seconds_per_step")
-        down_until = {r: begin - 1.0 for r in pool}
-        t = begin + rng.exponential(1 / rate_per_s)
-        while t < horizon:
-            alive = [r for r in pool if down_until[r] <= t]
-            if alive:
-                rank = alive[rng.integers(len(alive))]
-                hours = scenario.recovery_h if recovery == "fixed" else rng.exponential(scenario.recovery_h)
-                down_until[rank] = t + hours * 3600.0
-                events += [Event(t, "remove", rank), Event(t + hours * 3600.0, "add", rank)]
-            t += rng.exponential(1 / rate_per_s)
+        draw_hours = (lambda: scenario.recovery_h) if recovery == "fixed" else (lambda: rng.exponential(scenario.recovery_h))
+        events = arrivals(pool, rng, begin, horizon, rate_per_s, draw_hours)
     pairs = zip(events[0::2], events[1::2])  # each failure: its remove, then its add
     down_at_0 = frozenset(rem.rank for rem, add in pairs if rem.time_s < 0 < add.time_s)
     events = [e for e in events if e.time_s >= 0]

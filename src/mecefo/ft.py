@@ -191,7 +191,7 @@ class FtMembership(Membership):
         mecefo.placement), its replica group (join_group) and the tests' faults (mecefo.faults, read once here); the
         group's rank 0 prints."""
         if replica is None:
-            raise UsageError("cluster.backend='torchft' starts its replicas under python -m mecefo.launch (see README)")
+            raise UsageError("cluster.backend='torchft' starts its replicas under python -m mecefo.launch (see docs/training.md)")
         if device.type == "cuda":
             device = torch.device("cuda", local_device(torch.cuda.device_count()))
             torch.cuda.set_device(device)

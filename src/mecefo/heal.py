@@ -20,7 +20,7 @@ heals from it. Here:
     document (the tree of dicts, lists, tuples, numbers, strings and None, each tensor a reference to its dtype and
     shape; non-finite floats named), then each tensor's bytes, received into a buffer of exactly the size the
     document gives. Decoding accepts those forms only.
-What stays open (README, "Threat model"): the lighthouse, the manager servers and the stores accept anyone (denial of
+What stays open (docs/gpus.md, "Threat model"): the lighthouse, the manager servers and the stores accept anyone (denial of
 service); a peer holding the token is trusted; the tensors' bytes follow the authenticated document on the same
 connection without a MAC of their own (one who can inject into an established connection between two replicas is
 outside this model).

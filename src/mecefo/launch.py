@@ -525,7 +525,7 @@ def main(argv: list[str] | None = None, restore_signals: bool = True) -> int:
                 raise UsageError("mecefo.launch has no --stop_after: interrupt it (Ctrl-C) and continue with --resume")
             if overrides.get("backend", "torchft") != "torchft":
                 raise UsageError(f"mecefo.launch runs the torchft backend; --backend {overrides['backend']} starts "
-                                 "with python -m mecefo.train (see README)")
+                                 "with python -m mecefo.train (see docs/training.md)")
             cfg = config_mod.load(args.config, {**overrides, "backend": "torchft"})
             out = Path(args.out)
             if not (math.isfinite(args.min_step_s) and args.min_step_s >= 0):

@@ -6,7 +6,8 @@ trainer does not run it: its quality is failure-free training's."""
 
 from __future__ import annotations
 
-import heapq
+import math
+from collections import Counter
 from functools import lru_cache
 
 from . import Policy, register
@@ -17,7 +18,8 @@ def pipelines(failed: frozenset[int], job) -> tuple[int, ...]:
     a pipeline below n0 = job.const('oobleck_min_stages') is dissolved and its GPUs join the smallest
     pipelines (up to the job's depth) or, n0 of them together, form a new one; any left idle."""
     n0, pp = int(job.const("oobleck_min_stages")), job.pp
-    sizes = [pp - sum(1 for u in failed if u // pp == r) for r in range(job.dp)]
+    lost = Counter(u // pp for u in failed)  # failed GPUs per replica (unit u sits in replica u // pp)
+    sizes = [pp - lost[r] for r in range(job.dp)]
     kept, spare = sorted(s for s in sizes if s >= n0), sum(s for s in sizes if s < n0)
     while spare:
         if kept and kept[0] < pp:
@@ -35,17 +37,40 @@ def pipelines(failed: frozenset[int], job) -> tuple[int, ...]:
 @lru_cache(maxsize=4096)
 def compute_time(sizes: tuple[int, ...], micro_batches: int, pp: int, t_mb: float) -> float:
     """Least time for the pipelines to run `micro_batches` micro-batches under 1F1B: a pipeline of p GPUs
-    holds all layers, so its stage time is t_mb pp / p and m_i micro-batches take (m_i + p - 1) t_mb pp / p;
-    micro-batches go one at a time to the pipeline that would finish earliest with it (optimal for this
-    min-max, since each pipeline's time grows by a constant per micro-batch)."""
-    heap = [(t_mb * pp, 1, p) for p in sizes]  # (time once it runs its next micro-batch, that count, p)
-    heapq.heapify(heap)
-    worst = 0.0
-    for _ in range(micro_batches):
-        t, m, p = heapq.heappop(heap)
-        worst = max(worst, t)
-        heapq.heappush(heap, ((m + p) * t_mb * pp / p, m + 1, p))
-    return worst
+    holds all layers, so its stage time is t_mb pp / p and m micro-batches take (m + p - 1) t_mb pp / p.
+    Micro-batches go one at a time to the pipeline that would finish earliest with it (optimal for this
+    min-max, since each pipeline's time grows by a constant per micro-batch), so the time is the
+    `micro_batches`-th smallest of all pipelines' finishing times {(m + p - 1) t_mb pp / p : m >= 1}: found
+    here by bisection over m for each distinct p (a pipeline template's p is at most pp)."""
+    if micro_batches <= 0 or not sizes:
+        return 0.0
+    counts = Counter(sizes)
+
+    def finish(m: int, p: int) -> float:  # the time at which a pipeline of p GPUs finishes its m-th micro-batch
+        return t_mb * pp if m == 1 else (m + p - 1) * t_mb * pp / p
+
+    def done_by(t: float) -> int:  # micro-batches all pipelines finish by time t
+        total = 0
+        for p, k in counts.items():
+            m = max(0, int(t * p / (t_mb * pp)) - p + 1)  # then exact against finish(), which rounds
+            while finish(m + 1, p) <= t:
+                m += 1
+            while m > 0 and finish(m, p) > t:
+                m -= 1
+            total += k * m
+        return total
+
+    best = math.inf
+    for p in counts:  # the first of p's finishing times by which micro_batches are done
+        lo, hi = 1, micro_batches
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if done_by(finish(mid, p)) >= micro_batches:
+                hi = mid
+            else:
+                lo = mid + 1
+        best = min(best, finish(lo, p))
+    return best
 
 
 @register
@@ -69,7 +94,9 @@ class Oobleck(Policy):
         failed = failed | sim.get("waiting", frozenset())  # recovered GPUs not yet rejoined
         if not failed:
             return parts, tokens, None
-        sizes = pipelines(failed, job)
+        if sim.get("oobleck_failed") != failed:  # the failed set changes at events only: reuse between them
+            sim["oobleck_failed"], sim["oobleck_sizes"] = failed, pipelines(failed, job)
+        sizes = sim["oobleck_sizes"]
         if not sizes:
             return parts | {"degraded": float("inf")}, 0.0, None
         busy = compute_time(sizes, job.micro_batches * job.dp, job.pp, cost.t_mb)
