@@ -76,6 +76,7 @@ t python -m experiments.bench_adapter $quick   # the techniques on a Hugging Fac
 t python -m experiments.bench_neighbour $quick # the neighbour's time against its FLOPs at 350m/1b/7b layer shapes
 t python -m experiments.bench_refresh $quick   # the V1 refresh shared among torch ranks against computed by each
 [ -n "$full" ] && t python -m experiments.bench_heal   # slow heals on torchft (4 runs)
+[ -n "$full" ] && t python -m experiments.bench_jobs   # two runs at once (one thread each) against one after the other
 
 step "chaos harness: random real failures on the torchft backend, every run checked (3 schedules; --full: 73)"
 t python -m experiments.chaos $chaos

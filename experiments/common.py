@@ -15,10 +15,9 @@ __all__ = ["CONFIGS", "RESULTS", "ROOT", "default_jobs", "guarded", "in_parallel
 
 
 def default_jobs(best: int) -> int:
-    """How many runs at once: MECEFO_JOBS if set, else `best` (what the caller measured fastest on 2 cores) up to
-    one per core. Measured on 2 cores: two sweep cells (tiny, n = 32) at once with one thread each take 0.98x the
-    time of one after the other with two threads (best = 1); the rate's nano runs finish 1.4x sooner two at a time
-    (best = 2)."""
+    """How many runs at once: MECEFO_JOBS if set, else `best` (what the caller measured fastest on 2 cores,
+    `python -m experiments.bench_jobs`: small training runs gain nothing two at a time, best = 1; experiments.rate_gpt
+    end to end and the pure-Python simulator do, best = 2) up to one per core."""
     env = os.environ.get("MECEFO_JOBS")
     return max(1, int(env)) if env else max(1, min(best, os.cpu_count() or 1))
 
