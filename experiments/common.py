@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Callable, Iterable, Iterator
+
+from tqdm import tqdm
 
 from mecefo.errors import guarded
 from mecefo.results import CONFIGS, RESULTS, ROOT, load_config, run_dir
 
-__all__ = ["CONFIGS", "RESULTS", "ROOT", "default_jobs", "guarded", "in_parallel", "load_config", "run_dir"]
+__all__ = ["CONFIGS", "RESULTS", "ROOT", "default_jobs", "guarded", "in_order", "in_parallel", "load_config", "run_dir"]
 
 
 def default_jobs(best: int) -> int:
@@ -41,3 +44,14 @@ def in_parallel(fn: Callable, items: Iterable, jobs: int) -> Iterator[tuple[int,
         futures = {pool.submit(fn, item): i for i, item in enumerate(items)}
         for f in as_completed(futures):
             yield futures[f], f.result()
+
+
+def in_order(fn: Callable, items: Iterable, jobs: int, desc: str) -> list:
+    """[fn(item) for item in items], computed by in_parallel `jobs` at a time, with a progress bar."""
+    items = list(items)
+    out: list = [None] * len(items)
+    with tqdm(total=len(items), desc=desc, disable=not sys.stderr.isatty()) as bar:
+        for i, result in in_parallel(fn, items, jobs):
+            out[i] = result
+            bar.update()
+    return out

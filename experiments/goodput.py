@@ -43,7 +43,6 @@ import math
 import sys
 
 import numpy as np
-from tqdm import tqdm
 
 from mecefo import config as config_mod
 from mecefo import failures, policies
@@ -57,7 +56,7 @@ from mecefo.train import run
 from . import goodput_envelope as envelope_mod
 from . import goodput_sim
 from . import sweep
-from .common import default_jobs, in_parallel
+from .common import default_jobs, in_order
 from .throughput import PAPER_JOBS
 
 LENGTHS = {"quick": (30, 40, 50), "default": (200, 240, 270)}  # besides the sweep's own length (60, 300)
@@ -100,17 +99,6 @@ def _train(job: tuple) -> dict:
     return run(cfg, path, quiet=True)
 
 
-def _train_all(jobs: list[tuple], desc: str) -> list[dict]:
-    """The summaries of the (config, folder) runs, in order, trained default_jobs(1) at a time (sweep cells: two at a time gain nothing on 2 cores)."""
-    out: list[dict | None] = [None] * len(jobs)
-    bar = tqdm(total=len(jobs), desc=desc, disable=not sys.stderr.isatty())
-    for i, summary in in_parallel(_train, jobs, default_jobs(1)):
-        out[i] = summary
-        bar.update()
-    bar.close()
-    return out
-
-
 def train_extra(prof: str, throughput: dict) -> list[dict]:
     """Train (or reuse) extra_cells: one entry per run, as the sweep's index lists its cells."""
     todo = extra_cells(prof, throughput)
@@ -118,7 +106,7 @@ def train_extra(prof: str, throughput: dict) -> list[dict]:
     for _, _, cell in todo:
         cfg = sweep.cell_config(sweep.DESIGNS[prof].base, cell)
         jobs.append((cfg, run_dir("goodput", cfg)))
-    _train_all(jobs, "goodput's own runs")
+    in_order(_train, jobs, default_jobs(1), "goodput's own runs")
     return [{"cohort": cohort, "level": level, "policy": cell.policy, "seed": cell.seed, "failures": cell.level,
              "run": str(path.relative_to(RESULTS))} for (cohort, level, cell), (_, path) in zip(todo, jobs)]
 
@@ -137,7 +125,7 @@ def failure_free_curves(prof: str) -> dict[int, list[dict]]:
             seeds.append(seed)
             jobs.append((cfg, run_dir("goodput", cfg)))
     curves: dict[int, list[dict]] = {seed: [] for seed in range(d.high_seeds)}
-    for seed, (cfg, out), summary in zip(seeds, jobs, _train_all(jobs, "failure-free runs of other lengths")):
+    for seed, (cfg, out), summary in zip(seeds, jobs, in_order(_train, jobs, default_jobs(1), "failure-free runs of other lengths")):
         curves[seed].append({"steps": cfg.train.steps, "run": str(out.relative_to(RESULTS)),
                              "val_loss": summary["final_val_loss"]})
     return {seed: sorted(points, key=lambda p: p["steps"]) for seed, points in curves.items()}

@@ -18,14 +18,13 @@ from __future__ import annotations
 import sys
 from dataclasses import replace
 
-from tqdm import tqdm
 
 from mecefo.failures import REFERENCE_RANKS, SCENARIOS, FailureScenario
 from mecefo.policies import simulator_policies
 from mecefo.records import atomic_write_json, git_commit
 from mecefo.results import SIMULATOR_SOURCES, measurement, quick_flag, read_measurement, reusable, sources_digest
 
-from .common import default_jobs, guarded, in_parallel
+from .common import default_jobs, guarded, in_order
 from .throughput import PAPER_JOBS, run_cell
 
 LEVELS = ("low", "mid", "high")
@@ -90,13 +89,7 @@ def map_point(point: tuple[int, float, float, int]) -> dict:
 def leader_map(grid: dict, jobs: int) -> list[dict]:
     """map_point at every point of the grid, `jobs` points at a time (the simulator is one Python thread)."""
     points = [(g, m, r, grid["seeds"]) for r in grid["recovery_h"] for m in grid["gpu_mtbf_h"] for g in grid["gpus"]]
-    out: list[dict | None] = [None] * len(points)
-    bar = tqdm(total=len(points), desc=f"goodput map ({jobs} at a time)", disable=not sys.stderr.isatty())
-    for i, row in in_parallel(map_point, points, jobs):
-        out[i] = row
-        bar.update()
-    bar.close()
-    return out
+    return in_order(map_point, points, jobs, f"goodput map ({jobs} at a time)")
 
 
 def main(argv: list[str] | None = None) -> int:
