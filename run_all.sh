@@ -80,6 +80,7 @@ t python -m experiments.bench_refresh $quick   # the V1 refresh shared among tor
 
 step "chaos harness: random real failures on the torchft backend, every run checked (3 schedules; --full: 73)"
 t python -m experiments.chaos $chaos
+t python -m experiments.chaos_example $quick   # the torchft example (mecefo.for_torchft) killed at random, checked
 
 step "figures and tables"
 t python -m paper_figures.failure_free $quick
@@ -94,6 +95,7 @@ t python -m paper_figures.grad_error $quick
 t python -m paper_figures.rate $quick
 [ -n "$full" ] && t python -m paper_figures.heal
 t python -m paper_figures.chaos $chaos
+t python -m paper_figures.torchft $quick
 t python -m paper_figures.neighbour $quick
 t python -m experiments.float_check --which $quick   # which float settings change the bits here (the full check: docs/reproducibility.md)
 t python -m paper_figures.headline $quick   # the README's table of paper claims against ours, from the results above

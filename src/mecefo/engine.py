@@ -50,6 +50,17 @@ from .plan import NORMAL, Piece, StepPlan, fuse
 from .timing import Clock
 
 
+def normalise(model: torch.nn.Module, counts: dict[str, float], group_of: Callable[[str], str]) -> None:
+    """.grad holds each parameter's weighted sum over the pieces; divide it by its group's weight c_g (the sum of the
+    weights of the pieces that trained the group: mecefo.plan.StepPlan.counts); no gradient where c_g is 0."""
+    for name, p in model.named_parameters():
+        c = counts[group_of(name)]
+        if c == 0:
+            p.grad = None
+        elif p.grad is not None and c != 1:
+            p.grad.div_(c)
+
+
 @dataclass
 class StepResult:
     loss: float  # weighted mean training loss over the pieces computed this step
@@ -210,13 +221,8 @@ class StepEngine:
 
     def normalise(self, counts: dict[str, float]) -> None:
         """.grad holds the weighted sums; divide each group by its weight (no gradient where it is 0)."""
-        group = getattr(self.model, "group_of", group_of)  # a Hugging Face model's groups by module name (mecefo.hf)
-        for name, p in self.model.named_parameters():
-            c = counts[group(name)]
-            if c == 0:
-                p.grad = None
-            elif p.grad is not None and c != 1:
-                p.grad.div_(c)
+        # (a Hugging Face model's groups by module name: mecefo.hf)
+        normalise(self.model, counts, getattr(self.model, "group_of", group_of))
 
     # ------------------------------------------------------------------ state
     collective_checkpoint = False  # whether every process sharing the model's shards writes a checkpoint (FSDP)

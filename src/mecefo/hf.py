@@ -71,18 +71,22 @@ def model_config(values: dict, vocab_size: int) -> tuple[ModelConfig, str]:
 
 
 class HFCausalLM(nn.Module):
-    """The transformers model built from `values` (seeded by the caller), with our GPT's interface."""
+    """The transformers model built from `values` (seeded by the caller), or a transformers model built elsewhere
+    (a torchft loop's: the local replay of mecefo.for_torchft), with our GPT's interface."""
 
-    def __init__(self, values: dict):
+    def __init__(self, values: dict | nn.Module):
         super().__init__()
-        try:
-            import transformers
-        except ImportError:
-            raise UsageError("model.hf_config needs transformers: pip install -e .[hf]") from None
-        values = dict(values)
-        config = transformers.AutoConfig.for_model(values.pop("model_type"), **values)
-        config._attn_implementation = "sdpa"
-        self.hf = transformers.AutoModelForCausalLM.from_config(config)
+        if isinstance(values, nn.Module):
+            self.hf = values
+        else:
+            try:
+                import transformers
+            except ImportError:
+                raise UsageError("model.hf_config needs transformers: pip install -e .[hf]") from None
+            values = dict(values)
+            config = transformers.AutoConfig.for_model(values.pop("model_type"), **values)
+            config._attn_implementation = "sdpa"
+            self.hf = transformers.AutoModelForCausalLM.from_config(config)
         self.adapter = Adapter(self.hf, "llama")  # the three families share transformers' Llama module names
         self.layers = self.adapter.blocks  # (a plain list: the modules stay registered under hf)
 

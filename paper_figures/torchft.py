@@ -1,0 +1,52 @@
+"""docs/torchft.md's measured block: the chaos harness on the torchft example (results/chaos/example-<profile>.json,
+written by python -m experiments.chaos_example) and the numbers a torchft user weighs MeCeFO against `drop` by (the
+rows of the README's claims table on quality under failures, the neighbour's cost and goodput), all read from results.
+
+    python -m paper_figures.torchft [--quick]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from mecefo.errors import guarded
+from mecefo.results import RESULTS, quick_flag
+
+from .common import write_block
+from .headline import claims, claims_table
+
+WEIGHED = ("Table 3", "Table 6", "which policy reaches")  # the claims rows that say what MeCeFO costs and keeps
+
+
+def harness(result: dict | None, profile: str) -> str:
+    if result is None:
+        return f"No results/chaos/example-{profile}.json yet (`python -m experiments.chaos_example`)."
+    s = result["summary"]
+    bad = "; ".join(f"seed {k}: {', '.join(v)}" for k, v in s["violations"].items()) or "none"
+    return (f"Measured by `python -m experiments.chaos_example` (`results/chaos/example-{result['profile']}.json`, commit "
+            f"`{result['git_commit'][:12]}`): {s['schedules']} schedules of {result['groups']} groups x {result['steps']} "
+            f"steps, {result['rate_per_min']:g} kills a minute ({result['multi']:.0%} of them two groups at once), {s['kills']} "
+            f"groups killed in all; "
+            f"{s['steps_with_failures']} steps committed with a dead group's batch computed by its neighbour; the global "
+            f"batch whole at every step; violations: {bad}; the losses against our engine's replay within "
+            f"{s['replay_rel_diff_max']:.1e} relative (bound {result['replay_rtol']:g}).")
+
+
+def section(quick: bool) -> str:
+    profile = "quick" if quick else "default"
+    path = RESULTS / "chaos" / f"example-{profile}.json"
+    rows = [r for r in claims(quick) if r[0].startswith(WEIGHED) or r[0].lower().startswith("not in the paper: which")]
+    return (harness(json.loads(path.read_text()) if path.exists() else None, profile) + "\n\n"
+            + "What MeCeFO costs and keeps (the rows of the README's table that weigh it against `drop`):\n\n"
+            + claims_table(rows).replace("](docs/", "]("))
+
+
+def main(argv: list[str] | None = None) -> int:
+    quick = quick_flag(argv, __doc__)
+    print(f"wrote {write_block('torchft', section(quick), quick)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(guarded(main))
