@@ -24,13 +24,14 @@ def harness(result: dict | None, profile: str) -> str:
         return f"No results/chaos/example-{profile}.json yet (`python -m experiments.chaos_example`)."
     s = result["summary"]
     bad = "; ".join(f"seed {k}: {', '.join(v)}" for k, v in s["violations"].items()) or "none"
+    whole = sum("whole" not in r["violations"] for r in result["runs"])
     return (f"Measured by `python -m experiments.chaos_example` (`results/chaos/example-{result['profile']}.json`, commit "
             f"`{result['git_commit'][:12]}`): {s['schedules']} schedules of {result['groups']} groups x {result['steps']} "
-            f"steps, {result['rate_per_min']:g} kills a minute ({result['multi']:.0%} of them two groups at once), {s['kills']} "
-            f"groups killed in all; "
-            f"{s['steps_with_failures']} steps committed with a dead group's batch computed by its neighbour; the global "
-            f"batch whole at every step; violations: {bad}; the losses against our engine's replay within "
-            f"{s['replay_rel_diff_max']:.1e} relative (bound {result['replay_rtol']:g}).")
+            f"steps, {result['rate_per_min']:g} kills a minute ({result['multi']:.0%} of them two groups at once), "
+            f"{s['kills']} groups killed in all; {s['steps_with_failures']} steps committed with a dead group's batch "
+            f"computed by its neighbour; the global batch whole at every step in {whole} of {s['schedules']} schedules; "
+            f"violations: {bad}; the losses against our engine's replay within {s['replay_rel_diff_max']:.1e} relative "
+            f"(bound {result['replay_rtol']:g}).")
 
 
 def section(quick: bool) -> str:

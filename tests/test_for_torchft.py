@@ -60,7 +60,8 @@ class Quorum:
 
     def __init__(self, step: int, members: list[int]):
         self.step, self.members = step, members
-        self.barrier, self.tensors, self.lock = threading.Barrier(len(members)), {}, threading.Lock()
+        # (a timeout: a group whose thread raised fails the others' wait instead of hanging the test)
+        self.barrier, self.tensors, self.lock = threading.Barrier(len(members), timeout=60), {}, threading.Lock()
 
     def allreduce(self, who: int, t: torch.Tensor) -> None:
         with self.lock:
@@ -161,6 +162,7 @@ def _train_threads(data, policy, schedule, n, lr):
             plan = keep.plan()
             keep.backward(plan, batch_of(plan.step), _loss)
             out[r] = (plan, keep.all_reduce(plan))
+            assert keep.samples == plan.samples()  # the rows every group's exchange summed over
             optimizer.step()
 
         threads = [threading.Thread(target=one, args=(r,)) for r in live]
@@ -198,6 +200,41 @@ def test_library_steps_equal_the_local_engine(nano_data, policy):
         worst = max(float(((q - p).abs() / (p.abs() + 1e-3)).max()) for r in live
                     for p, q in zip(reference.parameters(), models[r].parameters()))
     assert worst < 1e-9, f"{policy}: parameters differ by {worst:.1e} relative"
+
+
+def _steps_in_threads(keeps, step, batches):
+    quorum, out = Quorum(step, list(range(len(keeps)))), {}
+
+    def one(r):
+        keeps[r].manager.quorum = quorum
+        plan = keeps[r].plan()
+        own = keeps[r].backward(plan, lambda p: batches.rows(step, p), _loss)
+        out[r] = (own, keeps[r].all_reduce(plan), keeps[r].samples)
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(len(keeps))]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    return out
+
+
+def test_bf16_parameters_exchange_the_loss_in_float64(nano_data):
+    """The loss and weight sums do not go through a bf16 buffer (its step at 16 is 0.125); the gradients are exchanged
+    in the parameters' dtype."""
+    class Windows:
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, i):
+            x, y = nano_data.micro_batch(0, i, rank=0, n_ranks=1)
+            return torch.as_tensor(x[0]), torch.as_tensor(y[0])
+
+    batches = StepBatches(Windows(), 2, 4)
+    keeps = [KeepBatch(Manager(r), _model().bfloat16(), r, 2, batch_size=4, policy="mecefo", layout="mecefo")
+             for r in range(2)]
+    out = _steps_in_threads(keeps, 0, batches)
+    own = [out[r][0] for r in range(2)]
+    assert out[0][1] == out[1][1] == pytest.approx(sum(own) / 2, rel=1e-12) and out[0][2] == 8
+    assert all(p.grad.dtype == torch.bfloat16 for p in keeps[0].model.parameters())
 
 
 def test_a_voided_exchange_plans_nothing(nano_data):

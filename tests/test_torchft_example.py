@@ -11,7 +11,10 @@ import time
 
 import pytest
 
-from experiments.chaos_example import BATCH, Groups, Schedule
+pytest.importorskip("transformers")
+pytest.importorskip("torchft")
+
+from experiments.chaos_example import BATCH, REPLAY_RTOL, Groups, Schedule
 
 N, STEPS = 3, 60
 
@@ -22,7 +25,7 @@ def test_a_killed_group_is_covered_and_heals(tmp_path):
     groups = Groups(tmp_path, N, args)
     try:
         deadline = time.monotonic() + 240
-        while groups.committed() < 10:
+        while len(groups.rows(1)) < 10:  # (group 1's own tenth row: killed after a commit, not amid one)
             assert not groups.failed() and time.monotonic() < deadline, groups.failed() or "no step 10"
             time.sleep(0.05)
         groups.kill(1)
@@ -32,13 +35,15 @@ def test_a_killed_group_is_covered_and_heals(tmp_path):
     finally:
         groups.close()
     facts = groups.replay(args)
+    print(facts)  # (shown with the failure)
     assert facts["steps"] and facts["groups_agree"]  # every step committed once, by the groups alive at it, alike
     assert facts["samples"] == [N * BATCH]  # the global batch kept whole at every step
     assert facts["steps_with_failures"] >= 3, "group 1's death was not seen as a failure"
     assert facts["processes_per_group"] == {"0": 1, "1": 2, "2": 1}  # the restart healed and committed steps
     assert max(json.loads(line)["step"] for line in (tmp_path / "rows-1.jsonl").read_text().splitlines()) == STEPS - 1
-    # float32 sums in other orders (gloo's all-reduce, our one pass), amplified by AdamW: measured 4.6e-6 over these 60
-    # steps (the harness's 100 steps with two kills: 2.8e-4, its REPLAY_RTOL 1e-3)
-    assert facts["replay_rel_diff"] < 1e-4
+    # float32 sums in other orders (gloo's all-reduce, our one pass), amplified by training: measured 4.6e-6 to 1.0e-4
+    # over these 60 steps in 7 runs (the largest jump at step 50, V1's refresh: an SVD of weights that differ in their
+    # last bits); the tight equality of the same steps is tests/test_for_torchft.py's (float64, in one process)
+    assert facts["replay_rel_diff"] < REPLAY_RTOL
     wrong = groups.replay([*args, "--policy", "drop"])
-    assert wrong["replay_rel_diff"] > 1e-3  # the replay tells policies apart (measured 1.6e-2)
+    assert wrong["replay_rel_diff"] > REPLAY_RTOL, wrong  # the same check fails the wrong policy (measured 1.6e-2)

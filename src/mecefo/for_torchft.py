@@ -6,30 +6,32 @@ groups' batches too, under a policy of mecefo.policies:
 - 'drop' (default): torchft's own behaviour, the mean gradient of the live groups' batches;
 - 'mecefo' (the paper's Neighbour-Do-Both): each dead group's batch is computed by one live neighbour, both of the
   neighbour's batches with MeCeFO's techniques (attention's backward skipped, the FFN recomputed, low-rank FFN weight
-  gradients), which keep the neighbour's step near a normal one; 'ndb-exact': the neighbour computes it exactly
-  (about twice a group's step);
+  gradients: their cost against their FLOPs is the paper's Table 6, measured in docs/results.md); 'ndb-exact': the
+  neighbour computes it exactly (two groups' work);
 - 'spread', 'spread-mecefo': the dead groups' rows split across every live group, exactly or with the techniques.
 
 A torchft loop (torchft's train_ddp.py) changes in five lines; examples/torchft_llama.py is a whole one:
 
     batches = StepBatches(dataset, n_replicas=N, batch_size=B, seed=0)     # any group's batch at any step
+    manager = Manager(..., use_async_quorum=False)  # a synchronous quorum: the library is tested with one only
     keep = KeepBatch(manager, model, replica=R, n_replicas=N, batch_size=B, policy="mecefo", layout="llama")
     # the manager's state_dict() adds {"keep": keep.state_dict()}, its load_state_dict calls keep.load_state_dict
     while manager.current_step() < steps:
         optimizer.zero_grad()                      # torchft.Optimizer: starts the quorum
         plan = keep.plan()                         # who is down, and which batches this group computes
-        loss = keep.backward(plan, lambda piece: batches.rows(plan.step, piece), loss_of)
-        keep.all_reduce(plan)                      # SUM, each parameter group divided by its weight
-        optimizer.step()                           # torchft.Optimizer: applied only if every group finished
+        keep.backward(plan, lambda piece: batches.rows(plan.step, piece), loss_of)
+        loss = keep.all_reduce(plan)               # SUM, each parameter group divided by its weight
+        optimizer.step()                           # torchft.Optimizer: applied unless this group saw an error
 
-The model is not wrapped (no torchft DistributedDataParallel: the gradients are exchanged once, after every piece),
-and the techniques act on it only inside `backward`, by module name (mecefo.adapter). Only torchft's public API is
-used: Manager.wait_quorum, current_step, allreduce (SUM), errored and report_error.
+The model is not wrapped (no torchft DistributedDataParallel): the gradients are exchanged once, after every piece,
+in one flat buffer per parameter dtype (not bucketed, not overlapped with the backward pass), and a step costs one
+more small all-reduce (the failed set) before its forward pass. The techniques act on the model only inside
+`backward`, by module name (mecefo.adapter). Only torchft's public API is used: Manager.wait_quorum, current_step,
+allreduce (SUM), errored and report_error.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
 import numpy as np
@@ -59,10 +61,14 @@ class StepBatches:
             raise ValueError("the dataset is empty")
         self.dataset, self.n, self.batch, self.seed, self.accum = dataset, n_replicas, batch_size, seed, accum
         self.collate = collate or torch.utils.data.default_collate
+        self._orders: dict[int, np.ndarray] = {}
 
-    @functools.lru_cache(maxsize=4)
     def _order(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
+        if epoch not in self._orders:
+            if len(self._orders) >= 2:  # a step's positions span at most two epochs
+                self._orders.pop(next(iter(self._orders)))
+            self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
+        return self._orders[epoch]
 
     def indices(self, step: int, owner: int, micro: int = 0) -> list[int]:
         """The dataset indices of group `owner`'s micro-batch `micro` at `step`."""
@@ -74,6 +80,8 @@ class StepBatches:
 
     def rows(self, step: int, piece: Piece):
         """The piece's rows of its owner's micro-batch at `step`, collated."""
+        if piece.batch != self.batch:
+            raise ValueError(f"a piece of {piece.batch} rows per micro-batch, these batches have {self.batch}")
         idx = self.indices(step, piece.owner, piece.micro)[piece.start:piece.stop]
         return self.collate([self.dataset[i] for i in idx])
 
@@ -103,12 +111,15 @@ class KeepBatch:
         self.adapter = Adapter(model, layout)
         self.lowrank = (lowrank or LowRankWgrad()).bind(model)
         self._neighbours: dict[Techniques, Neighbour] = {}
+        self._sums, self.samples = [0.0, 0.0], 0
 
     # ------------------------------------------------------------------ the step
     def plan(self) -> StepPlan:
         """The step's plan, after the quorum: the failed set is the groups 0..N-1 not taking part in it (one SUM
-        all-reduce of a one-hot vector; every group, this one included, reads the same set). A peer that failed during that exchange voids the step: a skipped plan
-        (nothing computed, and torchft's should_commit refuses the step everywhere)."""
+        all-reduce of a one-hot vector; every group, this one included, reads the same set). A peer that failed during
+        that exchange makes torchft's manager record an error: the plan is skipped (nothing computed, nothing exchanged)
+        and this group's optimizer.step() does not apply the step; it is redone with the next quorum."""
+        self._sums, self.samples = [0.0, 0.0], 0
         self.manager.wait_quorum()
         step = self.manager.current_step()
         onehot = torch.zeros(self.n, dtype=torch.float32, device=self._device())
@@ -116,8 +127,8 @@ class KeepBatch:
         self.manager.allreduce(onehot, reduce_op=torch.distributed.ReduceOp.SUM).wait()
         if self.manager.errored() is not None:
             return StepPlan(step, frozenset(), {}, {}, skipped=True)
-        # A group healing under an asynchronous quorum does not take part (torchft zeroes its tensor): the plan counts
-        # it as failed, so it computes nothing and takes the others' gradient from the exchange, as torchft's DDP does.
+        # (A group healing under an asynchronous quorum does not take part: torchft zeroes its tensor, so the plan
+        # counts it as failed and it computes nothing. The library is tested with a synchronous quorum only.)
         counts = [round(float(c)) for c in onehot]
         if max(counts) > 1:
             twice = [r for r, c in enumerate(counts) if c > 1]
@@ -131,44 +142,62 @@ class KeepBatch:
                  ) -> float:
         """Forward and backward of this group's pieces: for each, loss_of(model, rows(piece)) (the mean loss of the
         piece's rows) under the piece's techniques, weight * its gradient accumulated into .grad (weight = the piece's
-        share of a micro-batch). Returns the weighted mean loss of the pieces (nan when this group computes nothing)."""
+        share of a micro-batch), one piece after the other. Returns the weighted mean loss of the pieces (nan when this
+        group computes nothing). At a step whose plan uses the low-rank weight gradients, every computing group first
+        computes the subspaces V1 that are stale (missing, or from an earlier period of tau steps) from its current
+        weights, as our engine does (mecefo.engine.StepEngine.prepare): the same V1 in every group."""
+        mine = plan.pieces.get(self.replica, ())
         self.lowrank.steps = plan.step
-        if plan.uses("low_rank_wgrad") or plan.uses("low_rank_head"):  # every group refreshes V1 at the same step
+        if mine and (plan.uses("low_rank_wgrad") or plan.uses("low_rank_head")):
             for linear in (self.adapter.ffn_linears() if plan.uses("low_rank_wgrad") else []) \
                     + ([self.adapter.head] if plan.uses("low_rank_head") else []):
                 self.lowrank.basis(linear)
-        self._sums = [0.0, 0.0]
         loss_sum = torch.zeros((), dtype=torch.float64, device=self._device())
-        for piece in plan.pieces.get(self.replica, ()):
+        for piece in mine:
+            if piece.batch != self.batch:
+                raise ValueError(f"a piece of {piece.batch} rows per micro-batch, KeepBatch's batch_size is {self.batch}")
             with self.adapter.neighbour(self._neighbour(piece.techniques)):
                 loss = loss_of(self.model, rows(piece))
             (loss * piece.weight).backward()
             loss_sum += loss.detach().double() * piece.weight
-            self._sums[1] += piece.weight
         self.lowrank.finish()
-        self._sums[0] = float(loss_sum)
+        self._sums = [float(loss_sum), sum(p.weight for p in mine)]
         return self._sums[0] / self._sums[1] if self._sums[1] else float("nan")
 
     def all_reduce(self, plan: StepPlan) -> float:
-        """SUM all-reduce of every group's weighted gradient sums (one flat tensor, with the loss and weight sums),
-        then each parameter group's sum divided by its weight c_g, the pieces that gave it a gradient:
+        """SUM all-reduce of every group's weighted gradient sums (one flat tensor per parameter dtype, the loss and
+        weight sums carried in a float32 or float64 one), then each parameter group's sum divided by its weight c_g, the
+        pieces that gave it a gradient:
 
             grad_g = (sum over pieces p computing group g of w_p grad_g loss_p) / c_g,   c_g = sum of those w_p
 
-        (a group no piece trains keeps no gradient and is not updated). Returns the global batch's weighted mean loss."""
+        (a group no piece trains keeps no gradient and is not updated; the .grad tensors become views of the exchanged
+        buffer). Returns the global batch's weighted mean loss; self.samples: the rows the exchange summed over, every
+        group's (N x accum x batch_size when the global batch is whole)."""
         if plan.skipped:
             return float("nan")
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        sums = getattr(self, "_sums", [0.0, 0.0])
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
-                         + [torch.tensor(sums, dtype=params[0].dtype, device=params[0].device)])
-        self.manager.allreduce(flat, reduce_op=torch.distributed.ReduceOp.SUM).wait()
-        offset = 0
-        for p in params:
-            p.grad = flat[offset: offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
+        groups: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        for p in self.model.parameters():
+            if p.requires_grad:
+                groups.setdefault(p.dtype, []).append(p)
+        sums = torch.tensor(self._sums, dtype=torch.float64, device=self._device())
+        carrier = next((d for d in groups if d in (torch.float32, torch.float64)), None)  # exact enough for the sums
+        for dtype, params in groups.items():
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+                             + ([sums.to(dtype)] if dtype == carrier else []))
+            self.manager.allreduce(flat, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+            offset = 0
+            for p in params:
+                p.grad = flat[offset: offset + p.numel()].view_as(p)
+                offset += p.numel()
+            if dtype == carrier:
+                sums = flat[offset:].double()
+        if carrier is None:
+            self.manager.allreduce(sums, reduce_op=torch.distributed.ReduceOp.SUM).wait()
         normalise(self.model, plan.counts(len(self.adapter.blocks)), self.adapter.group_of)
-        return float(flat[-2]) / max(float(flat[-1]), 1e-12)
+        loss_sum, weight_sum = (float(v) for v in sums)
+        self.samples = round(weight_sum * self.batch)
+        return loss_sum / max(weight_sum, 1e-12)
 
     # ------------------------------------------------------------------ state a heal carries
     def state_dict(self) -> dict:
