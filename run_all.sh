@@ -80,7 +80,7 @@ t python -m experiments.bench_refresh $quick   # the V1 refresh shared among tor
 
 step "chaos harness: random real failures on the torchft backend, every run checked (3 schedules; --full: 73)"
 t python -m experiments.chaos $chaos
-t python -m experiments.chaos_example $quick   # the torchft example (mecefo.for_torchft) killed at random, checked
+t python -m experiments.chaos_example $chaos   # the torchft example (mecefo.for_torchft) killed at random (1 schedule; --full: 6)
 
 step "figures and tables"
 t python -m paper_figures.failure_free $quick

@@ -10,13 +10,15 @@ once it has committed a step), or with probability MULTI two at once, never the 
 U(0, RESTART_S) s, as a supervisor would; every draw from one generator seeded
 with the schedule's seed. Each run is checked, from the groups' own rows (the example's --replay):
   completed  every process (the restarted ones too) exits 0 within the time limit;
-  once       every step committed once, by the groups alive at it, agreeing on its failed set and loss;
+  once       every step committed once, by the groups alive at it, agreeing on its failed set, its loss and the
+             parameters it left (their checksum: a heal gives the same weights);
   whole      every step's exchange summed GROUPS x batch rows (no dead group's data dropped);
   covered    the kills were seen: steps with failed groups;
   rejoined   every restarted group committed steps of its own;
-  replay     the losses equal our engine's (one process, the same failed sets) within REPLAY_RTOL.
-Each schedule's result is cached under results/chaos/example/ by its parameters and the sources (src/mecefo and the
-example). Writes results/chaos/example-<profile>.json.
+  replay     the losses equal our engine's (one process, the same failed sets) within REPLAY_RTOL through the end
+             of the first window with a dead group (the whole run's largest difference is recorded).
+Each schedule's result is cached under results/chaos/example/ by its parameters and the sources (src/mecefo, the
+example and this harness); a run with a violation keeps its folder (rows, logs) under results/chaos/example-kept/. Writes results/chaos/example-<profile>.json.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -51,11 +54,12 @@ GROUPS, BATCH, SEQ, STEPS, PACE_S = 3, 4, 32, 80, 0.35
 QUIET_TAIL = 0.5
 RATE, MULTI = 6.0, 0.25  # kills per minute; the share of kills that take two groups at once
 # The run against our engine's replay: the same plans, float32 sums in other orders (gloo's all-reduce; our one pass of
-# all rows), which training amplifies (AdamW; V1's refresh at step 50, an SVD of weights that differ in their last
-# bits): measured over 60 steps with one kill 4.6e-6 to 1.0e-4 (7 runs of tests/test_torchft_example.py); over 100
-# steps 5e-5 to 1.7e-4 with kills and 7.9e-4 without any (6 schedules), so the runs here are 80 steps long.
-# Replaying a run under the wrong policy (drop for mecefo) differs by 1.6e-2 (the slow test asserts it fails this bound).
-REPLAY_RTOL = 1e-3
+# all rows), which training amplifies (AdamW; V1's refresh, an SVD of weights that differ in their last bits): ~2-3x
+# per 10 steps, with a heavy tail (over 80-100 steps, 1e-5 to 8e-3 in 12 schedules, the groups' parameters identical
+# at every step by their checksums). So the bound applies through the end of the first window with a dead group:
+# measured there 1e-7 to 5e-6 (the slow test and these schedules); replaying under the wrong policy (drop for mecefo)
+# differs there by 3e-3 to 1.6e-2. The whole run's difference is recorded, not bounded.
+REPLAY_RTOL = 1e-4
 LIMIT_S = 300.0
 
 
@@ -180,7 +184,7 @@ def run(s: Schedule, out: Path) -> dict:
               "whole": facts.get("samples") == [s.groups * BATCH],
               "covered": not kills or facts.get("steps_with_failures", 0) > 0,
               "rejoined": all(facts.get("processes_per_group", {}).get(r, 0) >= 2 for r in restarted),
-              "replay": facts.get("replay_rel_diff", float("inf")) < REPLAY_RTOL}
+              "replay": facts.get("replay_rel_diff_first_window", float("inf")) < REPLAY_RTOL}
     return {"schedule": asdict(s), "kills": kills, "facts": facts, "failed_processes": failed,
             "violations": sorted(k for k, ok in checks.items() if not ok), "seconds": round(time.monotonic() - t0, 1)}
 
@@ -203,6 +207,11 @@ def run_cached(s: Schedule, code: str) -> dict:
             result = run(s, Path(scratch) / "run")
         except Exception as e:  # the harness's own failure is a lost run (not cached), not a crash of the whole harness
             return {"schedule": asdict(s), "lost": f"harness: {type(e).__name__}: {e}", "violations": ["lost"]}
+        if result["violations"]:  # kept to be read: the groups' rows and logs, the lighthouse's log
+            kept = RESULTS / "chaos" / "example-kept" / path.stem
+            shutil.rmtree(kept, ignore_errors=True)
+            shutil.copytree(Path(scratch) / "run", kept)
+            result["kept"] = str(kept.relative_to(ROOT) if kept.is_relative_to(ROOT) else kept)
     atomic_write_json(path, result | {"source": code})
     return result
 
@@ -218,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"schedules": len(runs), "kills": sum(len(r.get("kills", [])) for r in runs),
                "violations": {str(r["schedule"]["seed"]): r["violations"] for r in runs if r["violations"]},
                "steps_with_failures": sum(r.get("facts", {}).get("steps_with_failures", 0) for r in runs),
+               "replay_rel_diff_first_window_max": max((r["facts"].get("replay_rel_diff_first_window", float("inf"))
+                                                        for r in runs if "facts" in r), default=float("nan")),
                "replay_rel_diff_max": max((r["facts"].get("replay_rel_diff", float("inf")) for r in runs if "facts" in r),
                                           default=float("nan"))}
     result = {"profile": profile, "source": code, "groups": GROUPS, "steps": STEPS, "rate_per_min": RATE, "multi": MULTI,
@@ -227,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write_json(path, result)
     print(f"torchft example: {summary['schedules']} schedules, {summary['kills']} kills, "
           f"{summary['steps_with_failures']} steps covered by a neighbour, violations {summary['violations'] or 'none'}, "
-          f"replay within {summary['replay_rel_diff_max']:.1e}\n-> {path}")
+          f"replay within {summary['replay_rel_diff_first_window_max']:.1e} through the first failure window, "
+          f"{summary['replay_rel_diff_max']:.1e} over the run\n-> {path}")
     return 0
 
 
