@@ -51,7 +51,7 @@ class StepBatches:
     The steps read the dataset in order of position: micro-batch m of group o at step s holds positions
     g0 .. g0 + B - 1 with g0 = ((s * N + o) * A + m) * B (N groups, A micro-batches of B samples per group and step);
     position g is sample perm_e[g mod L] of a dataset of L samples, e = g div L its epoch and perm_e a permutation
-    seeded by (seed, e). (mecefo.data.TokenData addresses its token windows the same way.)"""
+    seeded by (seed, e). (mecefo.data.TokenData addresses its token windows alike, with a random offset per epoch.)"""
 
     def __init__(self, dataset, n_replicas: int, batch_size: int, seed: int = 0, accum: int = 1,
                  collate: Callable | None = None):
@@ -65,7 +65,7 @@ class StepBatches:
 
     def _order(self, epoch: int) -> np.ndarray:
         if epoch not in self._orders:
-            if len(self._orders) >= 2:  # a step's positions span at most two epochs
+            if len(self._orders) >= 2:  # a micro-batch spans at most two epochs (unless the dataset is smaller)
                 self._orders.pop(next(iter(self._orders)))
             self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
         return self._orders[epoch]
