@@ -23,6 +23,7 @@ sets of windows from across the text (`training_gradient_sq`), so that neither n
 text's gradient enter it. It is a sample of that distribution independent of the run's own, not its whole loss. At the checkpoint the estimate is also taken with other splits (`split_check`: how
 much neighbouring windows' correlation and the choice of held-out text move it), and one cell is rerun at
 smaller C (`step_sweep`: how much of the level the step size sets).
+--quick runs a smaller grid with smaller estimates (QUICK_ESTIMATE: K and W), to check the pipeline, not the rate.
 Writes one record per run to results/rate_gpt/rate_gpt-<profile>.json (reused run by run while the grid and
 the code are unchanged); `python -m analysis.rate` fits the slopes against nT and words them.
 """
@@ -50,7 +51,8 @@ C = 0.3  # eta = C sqrt(n / T): at most 0.19 (n = 16, T = 40)
 PER_RANK_BATCH = 4  # sequences of 64 tokens
 SECONDS_PER_STEP = 180.0  # Table 1's 2 h recovery = 40 steps
 EVAL_POINTS = 10  # K
-HELD_OUT_WINDOWS = 512  # of the validation split's 1921 windows of 64 tokens; two halves of 256
+HELD_OUT_WINDOWS = 512  # W: of the validation split's 1921 windows of 64 tokens; two halves of 256
+QUICK_ESTIMATE = {"K": 4, "W": 128}  # --quick: the estimates (not the runs) were ~90% of its time at K = 10, W = 512
 REFERENCE_STEPS = {"quick": 300, "default": 2000}
 POLICIES = {"failure-free": ("none", "mecefo"), "drop": ("high", "drop"), "mecefo": ("high", "mecefo")}
 SOURCES = ("experiments/rate_gpt.py", "src/mecefo/train.py", "src/mecefo/cluster.py", "src/mecefo/neighbour.py",
@@ -65,10 +67,15 @@ def grid(quick: bool) -> dict:
     return {"ns": [1, 2, 4, 8, 16], "ts": [40, 126, 400], "seeds": [0, 1, 2]}
 
 
+def estimate(quick: bool) -> dict:
+    """The gradient estimates' size: K + 1 points per run, W held-out windows per point."""
+    return QUICK_ESTIMATE if quick else {"K": EVAL_POINTS, "W": HELD_OUT_WINDOWS}
+
+
 def reference_config(quick: bool):
     steps = REFERENCE_STEPS["quick" if quick else "default"]
     return load_config("nano", steps=steps, eval_every=steps, checkpoint_every=0, warmup_steps=50, seed=0,
-                       val_windows=HELD_OUT_WINDOWS)
+                       val_windows=estimate(quick)["W"])
 
 
 def split_check(quick: bool, start: Path) -> dict:
@@ -79,8 +86,9 @@ def split_check(quick: bool, start: Path) -> dict:
     data = TokenData(cfg.data)
     model = GPT(preset("nano", vocab_size=data.vocab_size))
     model.load_state_dict(checkpoint.read_model(start))
-    return {**{k: held_out_gradient_sq(model, data, k) for k in SPLITS},
-            "train_unseen": training_gradient_sq(model, data, unseen_training_windows(data, 0, 0, 1))}
+    w = estimate(quick)["W"]
+    return {**{k: held_out_gradient_sq(model, data, k, w) for k in SPLITS},
+            "train_unseen": training_gradient_sq(model, data, unseen_training_windows(data, 0, 0, 1, w))}
 
 
 def reference(quick: bool) -> tuple[Path, list[dict]]:
@@ -101,7 +109,7 @@ def reference(quick: bool) -> tuple[Path, list[dict]]:
         training.record(row)
         if step + 1 in marks:
             curve.append({"step": step + 1, "train_loss": row["loss"], "val_loss": training.evaluate("val"),
-                          **held_out_gradient_sq(training.model, training.data)})
+                          **held_out_gradient_sq(training.model, training.data, windows=estimate(quick)["W"])})
     training.save(steps)
     training.metrics.close()
     atomic_write_json(curve_path, curve)
@@ -115,7 +123,7 @@ SPLITS = {  # how the held-out windows (in text order) are assigned to the two h
 }
 
 
-def held_out_gradient_sq(model, data, split: str = "alternate") -> dict:
+def held_out_gradient_sq(model, data, split: str = "alternate", windows: int | None = None) -> dict:
     """Three estimates of ||grad f(x)||^2 from the gradients g_A, g_B of the mean loss over two disjoint
     halves of the held-out windows (SPLITS[split] chooses them):
         unbiased  g_A . g_B              E = ||grad f||^2 if the halves are independent draws of windows
@@ -123,8 +131,9 @@ def held_out_gradient_sq(model, data, split: str = "alternate") -> dict:
                                           biases it upward; split_check measures that)
         floor     ||g_A - g_B||^2 / 4    E = tr(Sigma) / W, the variance of the mean over all W windows
         plug-in   ||(g_A + g_B) / 2||^2  = unbiased + floor: the squared norm of the full-sample gradient,
-                                          biased upward by its own variance."""
-    x, y = next(data.eval_batches("val", batch=HELD_OUT_WINDOWS))
+                                          biased upward by its own variance.
+    From the first `windows` validation windows (HELD_OUT_WINDOWS unless given)."""
+    x, y = next(data.eval_batches("val", batch=windows or HELD_OUT_WINDOWS))
     return _two_halves(model, x, y, SPLITS[split](np.arange(len(x))))
 
 
@@ -143,14 +152,14 @@ def _two_halves(model, x: np.ndarray, y: np.ndarray, first: np.ndarray) -> dict:
     return {"unbiased": float(a @ b), "floor": float(((a - b) ** 2).sum() / 4), "plug_in": float(((a + b) ** 2).sum() / 4)}
 
 
-def unseen_training_windows(data, seed: int, steps: int, n: int) -> np.ndarray:
-    """The starts of HELD_OUT_WINDOWS training windows a run of `steps` steps on n ranks never reads: the last ones of
+def unseen_training_windows(data, seed: int, steps: int, n: int, windows: int | None = None) -> np.ndarray:
+    """The starts of `windows` (HELD_OUT_WINDOWS unless given) training windows a run of `steps` steps on n ranks never reads: the last ones of
     its seed's first-epoch permutation (the sampler reads that permutation from its head, mecefo.data)."""
     offset, perm = data.epoch_order(seed, 0)
-    read = steps * n * PER_RANK_BATCH * data.cfg.grad_accum
-    if read + HELD_OUT_WINDOWS > len(perm):
-        raise ValueError(f"a run reading {read} windows leaves fewer than {HELD_OUT_WINDOWS} of {len(perm)} unseen")
-    return offset + perm[-HELD_OUT_WINDOWS:].astype(np.int64) * (data.cfg.seq_len + 1)
+    read, w = steps * n * PER_RANK_BATCH * data.cfg.grad_accum, windows or HELD_OUT_WINDOWS
+    if read + w > len(perm):
+        raise ValueError(f"a run reading {read} windows leaves fewer than {w} of {len(perm)} unseen")
+    return offset + perm[-w:].astype(np.int64) * (data.cfg.seq_len + 1)
 
 
 def training_gradient_sq(model, data, starts: np.ndarray) -> dict:
@@ -161,23 +170,25 @@ def training_gradient_sq(model, data, starts: np.ndarray) -> dict:
     return _two_halves(model, xy[:, :-1], xy[:, 1:], np.arange(len(starts)) % 2 == 0)
 
 
-def one_run(policy: str, n: int, steps: int, seed: int, start: Path, c: float = C) -> dict:
+def one_run(policy: str, n: int, steps: int, seed: int, start: Path, size: dict, c: float = C) -> dict:
+    """One run of T = `steps` steps from the checkpoint `start`, with the estimates at K + 1 points (size: estimate())."""
     level, name = POLICIES[policy]
+    k, w = size["K"], size["W"]
     cfg = load_config("nano", **{"optimizer": "sgd", "momentum": 0.9, "lr": c * (n / steps) ** 0.5, "warmup_steps": 0,
                                  "min_lr_ratio": 1.0, "grad_clip": 0.0, "micro_batch_size": PER_RANK_BATCH,
-                                 "val_windows": HELD_OUT_WINDOWS, "steps": steps, "seed": seed, "eval_every": steps,
+                                 "val_windows": w, "steps": steps, "seed": seed, "eval_every": steps,
                                  "checkpoint_every": 0, "ranks": n, "failures": level, "policy": name,
                                  "seconds_per_step": SECONDS_PER_STEP})
     out = run_dir("rate_gpt/runs", cfg)
     training = Run(cfg, out, torch.device("cpu"), quiet=True)
     training.model.load_state_dict(checkpoint.read_model(start))
     training.start(resume=False)
-    points = sorted({round(k * steps / EVAL_POINTS) for k in range(EVAL_POINTS + 1)})
-    unseen = unseen_training_windows(training.data, seed, steps, n)
+    points = sorted({round(i * steps / k) for i in range(k + 1)})
+    unseen = unseen_training_windows(training.data, seed, steps, n, w)
     estimates, failed_steps = [], 0
     for step in range(steps + 1):
         if step in points:
-            estimates.append({**held_out_gradient_sq(training.model, training.data),
+            estimates.append({**held_out_gradient_sq(training.model, training.data, windows=w),
                               **{f"train_{k}": v for k, v in training_gradient_sq(training.model, training.data, unseen).items()}})
         if step < steps:
             row, plan = training.step(step, training.schedule.failed[step])
@@ -203,8 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     start, curve = reference(quick)
     splits = split_check(quick, start)
     sweep = STEP_SWEEP["quick" if quick else "default"]
-    key = stable_hash({"grid": g, "C": C, "batch": PER_RANK_BATCH, "s": SECONDS_PER_STEP, "K": EVAL_POINTS,
-                       "W": HELD_OUT_WINDOWS, "reference": REFERENCE_STEPS, "step_sweep": sweep,
+    size = estimate(quick)
+    key = stable_hash({"grid": g, "C": C, "batch": PER_RANK_BATCH, "s": SECONDS_PER_STEP, "K": size["K"],
+                       "W": size["W"], "reference": REFERENCE_STEPS, "step_sweep": sweep,
                        "sources": sources_digest(SOURCES)})
     old = json.loads(path.read_text()) if path.exists() else {}
     done = {(r["policy"], r["n"], r["T"], r["seed"]): r for r in old.get("runs", [])} if old.get("key") == key else {}
@@ -215,8 +227,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def write() -> None:
         atomic_write_json(path, {"key": key, "grid": g, "C": C, "per_rank_batch": PER_RANK_BATCH,
-                                 "seconds_per_step": SECONDS_PER_STEP, "eval_points": EVAL_POINTS,
-                                 "held_out_windows": HELD_OUT_WINDOWS, "reference": str(start.parent.relative_to(RESULTS)),
+                                 "seconds_per_step": SECONDS_PER_STEP, "eval_points": size["K"],
+                                 "held_out_windows": size["W"], "reference": str(start.parent.relative_to(RESULTS)),
                                  "reference_steps": REFERENCE_STEPS["quick" if quick else "default"],
                                  "reference_curve": curve, "split_check": splits, "step_sweep_cell": sweep, "step_sweep": step_sweep,
                                  "complete": len(runs) == len(cells) and len(step_sweep) == len(sweep["Cs"]),
@@ -224,9 +236,9 @@ def main(argv: list[str] | None = None) -> int:
 
     runs += [done[c] for c in cells if c in done]
     step_sweep += [swept[c] for c in sweep["Cs"] if c in swept]
-    todo = [(*c, start) for c in cells if c not in done]
+    todo = [(*c, start, size) for c in cells if c not in done]
     n_cells = len(todo)  # todo's first n_cells are the grid's, the rest the step sweep's
-    todo += [("failure-free", sweep["n"], sweep["T"], 0, start, c) for c in sweep["Cs"] if c not in swept]
+    todo += [("failure-free", sweep["n"], sweep["T"], 0, start, size, c) for c in sweep["Cs"] if c not in swept]
     bar = tqdm(total=len(todo), desc=f"rate on the GPT ({jobs} at a time)", disable=not sys.stderr.isatty())
     for i, r in in_parallel(_one_run, todo, jobs):  # the same cell at smaller C: failure-free, seed 0, its own C
         (runs if i < n_cells else step_sweep).append(r)
