@@ -62,7 +62,8 @@ t python -m analysis.rate $quick
 
 step "goodput: quality-equivalent steps x simulated throughput under every reading, every policy (failure-free runs of other lengths, drop at 7B's lost fractions, the null control)"
 t python -m experiments.goodput_sim $quick   # spares for every policy, each scaling job's own overhead, the leader map
-t python -m experiments.goodput $quick
+t python -m experiments.goodput_runs $quick   # the runs it is measured from (failure-free lengths, drop at 7B's lost fractions, the null control)
+t python -m experiments.goodput $quick        # the decision, from those runs, the sweep and the simulations
 
 step "neighbour cost ablation (the paper's Table 6) and the randomized SVD of V1 against the exact SVD"
 t python -m experiments.ablation $quick

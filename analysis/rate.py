@@ -95,7 +95,7 @@ def synthetic(quick: bool) -> dict:
         sub = [r for r in rows if r["policy"] == p]
         f = fit_rate([r["nT"] for r in sub], [r["mean_sq_grad"] for r in sub])
         fits[p] = {"slope": f.slope, "intercept": f.intercept, "ci95": list(f.ci), "contains_-0.5": f.contains(-0.5)}
-    return {"points": rows, "fits": fits, "seeds": seeds, "ns": ns, "ts": ts}
+    return {"policies": list(POLICIES), "points": rows, "fits": fits, "seeds": seeds, "ns": ns, "ts": ts}
 
 
 def gpt_curves(quick: bool) -> list[dict]:
@@ -190,7 +190,8 @@ def gpt_rate(quick: bool) -> dict | None:
     regime["step_sweep"] = [{"C": r["C"], "lr": r["lr"], "mean_over_start": trajectory_mean(r) / start}
                             for r in sorted(data["step_sweep"] + same, key=lambda r: r["C"])] if start > 0 else []
     curve = data["reference_curve"]
-    return {"points": points, "fits": fits, "start_grad_sq": start, "reference_curve": curve, "regime": regime,
+    return {"policies": [p for p in POLICIES if p in fits], "points": points, "fits": fits, "start_grad_sq": start,
+            "reference_curve": curve, "regime": regime,
             "step_sweep_cell": data["step_sweep_cell"], "reference_steps": data["reference_steps"],
             "complete": data.get("complete", False), "verdict": gpt_verdict(fits, regime, curve, data)}
 

@@ -3,7 +3,7 @@ one measure, from 32 GPUs to 100k; from the sweep (quality, trained on the CPU a
 simulation (the paper's three jobs) to results/goodput/goodput-<profile>.json, which paper_figures.goodput
 renders.
 
-    python -m experiments.goodput [--quick]
+    python -m experiments.goodput [--quick]      (after python -m experiments.goodput_runs, which trains its runs)
 
 Quality-equivalent steps. Failure-free runs of the sweep's config at several lengths (each its own full
 learning-rate schedule: a shorter run is a real shorter run), on each seed of the sweep's failure-free
@@ -26,7 +26,7 @@ model to the paper's. q is read at each job's own fraction: the sweep's runs at 
 for drop on TRANSFER_JOB (where a failed GPU takes its replica's samples) q read at the share of samples it loses
 there, between drop's runs: the level's and those trained here near that share (transfer_spec; drop_at); what
 carrying the level's q per token or per step over would give instead is reported beside it (drop_readings). q's intervals use the seed-to-seed noise pooled over every trained
-cell (pooled_noise, Table 3's model); the null control (NULL_CONTROL, exact, trained at high) must give q = 1
+cell (pooled_noise, Table 3's model); the null control (goodput_runs.NULL_CONTROL, exact, trained at high) must give q = 1
 within its interval. G under every reading of the throughput, the paired comparisons and the verdict:
 experiments.goodput_envelope.
 
@@ -44,92 +44,18 @@ import sys
 
 import numpy as np
 
-from mecefo import config as config_mod
 from mecefo import failures, policies
 from mecefo.errors import UsageError, guarded
 from mecefo.records import atomic_write_json, git_commit
-from mecefo.results import RESULTS, measurement, profile, quick_flag, read_measurement, run_dir
+from mecefo.results import RESULTS, measurement, profile, quick_flag, read_measurement
 from mecefo.simulator import ci95
 from mecefo.stats import block_noise, interval_half_width
-from mecefo.train import run
 
 from . import goodput_envelope as envelope_mod
 from . import goodput_sim
 from . import sweep
-from .common import default_jobs, in_order
+from .goodput_runs import LEVELS, REFERENCE, TRANSFER_JOB, lost_by_drop, transfer_spec
 from .throughput import PAPER_JOBS
-
-LENGTHS = {"quick": (30, 40, 50), "default": (200, 240, 270)}  # besides the sweep's own length (60, 300)
-LEVELS = ("low", "mid", "high")
-REFERENCE = "mecefo"  # whose failure-free throughput is the job's (no failure: every policy trains alike)
-NULL_CONTROL = "spread"  # exact: trained through the same pipeline, its q must be 1 within its interval
-TRANSFER_JOB = "llama-7b"  # the job whose failed GPU takes its replica's samples under drop (4 pipeline stages)
-
-
-def transfer_spec(level: str, target: float) -> str:
-    """The failure scenario at which drop on the CPU model loses a fraction `target` of its samples, as it does on
-    TRANSFER_JOB at `level`: Table 1's recovery time at that level, arrivals frequent enough that `target` of the
-    ranks are down in steady state (Little's law). On 7B a failed GPU takes its replica of 4 GPUs: a replica fails
-    about 4 times as often as a GPU and stays down as long, which is what the shorter interval does to a rank."""
-    rec = failures.SCENARIOS[level].recovery_h
-    if not 0 < round(target, 3) <= 1:
-        raise ValueError(f"a lost fraction of {target} cannot be trained")
-    return f"custom:{rec / (failures.REFERENCE_RANKS * round(target, 3)):.6g}:{rec:g}"  # 3 digits: a rerun of the simulation keeps the runs
-
-
-def lost_by_drop(throughput: dict, job: str = TRANSFER_JOB) -> dict[str, float]:
-    """Per level: the share of the job's samples drop loses in the simulation (1 - its throughput kept)."""
-    row = throughput["table2"][job]
-    return {lv: 1 - row[lv]["drop"]["mean"] / row["none"][REFERENCE]["mean"] for lv in LEVELS}
-
-
-def extra_cells(prof: str, throughput: dict) -> list[tuple[str, str, "sweep.Cell"]]:
-    """(cohort, level, cell) of the runs trained for goodput beside the sweep's: drop near TRANSFER_JOB's lost
-    fraction of each level ("transfer"; the sweep's seeds, its high-level seeds at high), and the null control
-    (NULL_CONTROL at high, the high-level seeds)."""
-    d = sweep.DESIGNS[prof]
-    out = [("transfer", lv, sweep.Cell(d.n, transfer_spec(lv, target), "drop", s, tag="transfer"))
-           for lv, target in lost_by_drop(throughput).items() for s in range(d.high_seeds if lv == "high" else d.seeds)]
-    return out + [("null", "high", sweep.Cell(d.n, "high", NULL_CONTROL, s, tag="null")) for s in range(d.high_seeds)]
-
-
-def _train(job: tuple) -> dict:
-    """One run (or its cached summary): job = (config, folder); top-level, for in_parallel's processes."""
-    cfg, path = job
-    return run(cfg, path, quiet=True)
-
-
-def train_extra(prof: str, throughput: dict) -> list[dict]:
-    """Train (or reuse) extra_cells: one entry per run, as the sweep's index lists its cells."""
-    todo = extra_cells(prof, throughput)
-    jobs = []
-    for _, _, cell in todo:
-        cfg = sweep.cell_config(sweep.DESIGNS[prof].base, cell)
-        jobs.append((cfg, run_dir("goodput", cfg)))
-    in_order(_train, jobs, default_jobs(1), "goodput's own runs")
-    return [{"cohort": cohort, "level": level, "policy": cell.policy, "seed": cell.seed, "failures": cell.level,
-             "run": str(path.relative_to(RESULTS))} for (cohort, level, cell), (_, path) in zip(todo, jobs)]
-
-
-def failure_free_curves(prof: str) -> dict[int, list[dict]]:
-    """Per seed of the sweep's failure-free cells: (steps, final validation loss) of failure-free runs of
-    every length (trained here, or reused; the sweep's own length is its run)."""
-    d = sweep.DESIGNS[prof]
-    seeds, jobs = [], []  # the sweep's own run of each seed (cached there), then the other lengths
-    for seed in range(d.high_seeds):
-        full = sweep.cell_config(d.base, sweep.Cell(d.n, "none", "none", seed))
-        seeds.append(seed)
-        jobs.append((full, run_dir("sweep", full)))
-        for length in LENGTHS[prof]:
-            cfg = config_mod.with_overrides(full, train={"steps": length})
-            seeds.append(seed)
-            jobs.append((cfg, run_dir("goodput", cfg)))
-    curves: dict[int, list[dict]] = {seed: [] for seed in range(d.high_seeds)}
-    for seed, (cfg, out), summary in zip(seeds, jobs, in_order(_train, jobs, default_jobs(1), "failure-free runs of other lengths")):
-        curves[seed].append({"steps": cfg.train.steps, "run": str(out.relative_to(RESULTS)),
-                             "val_loss": summary["final_val_loss"]})
-    return {seed: sorted(points, key=lambda p: p["steps"]) for seed, points in curves.items()}
-
 
 def fit(points: list[dict]) -> dict:
     """L(S) = a + b ln S by least squares; with the largest residual."""
@@ -436,10 +362,13 @@ def main(argv: list[str] | None = None) -> int:
         raise UsageError(f"no results/sweep/index-{prof}.json; run python -m experiments.sweep{' --quick' if quick else ''} first")
     throughput = read_measurement("throughput", "throughput", quick, "experiments.throughput")
     sim = read_measurement("throughput", "goodput_sim", quick, "experiments.goodput_sim")
-    points = failure_free_curves(prof)
-    curves = {seed: fit(p) | {"points": p, "full_loss": p[-1]["val_loss"]} for seed, p in points.items()}
+    runs = read_measurement("goodput", "runs", quick, "experiments.goodput_runs")
+    if runs["throughput_sources_digest"] != throughput["sources_digest"]:
+        raise UsageError("results/goodput/runs was trained from another throughput simulation than the one here; rerun "
+                         f"python -m experiments.goodput_runs{' --quick' if quick else ''}")
+    curves = {int(seed): fit(p) | {"points": p, "full_loss": p[-1]["val_loss"]} for seed, p in runs["curves"].items()}
     measured = quality(index, curves)
-    extra = train_extra(prof, throughput)
+    extra = runs["extra"]
     transfer = quality_of_runs([e for e in extra if e["cohort"] == "transfer"], curves)
     null = quality_of_runs([e for e in extra if e["cohort"] == "null"], curves)
     noise = pooled_noise({"sweep": measured, "transfer": transfer})  # the null control is judged by it, not part of it
@@ -470,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
               "scale": at_scale(throughput, measured, base_cfg, sim["own_failure_free"], noise, transfer),
               "map": leader_map(sim, measured, base_cfg, noise, transfer), "map_grid": sim["map_grid"],
               "throughput_sources_digest": throughput["sources_digest"], "goodput_sim_digest": sim["sources_digest"],
-              "sweep_git_commit": index["git_commit"], "git_commit": git_commit()}
+              "levels": list(LEVELS), "readings": list(envelope_mod.READINGS), "tolerance": envelope_mod.TOLERANCE,
+              "sweep_git_commit": index["git_commit"], "runs_git_commit": runs["git_commit"], "git_commit": git_commit()}
     path = measurement("goodput", "goodput", quick)
     atomic_write_json(path, result)
     for model, levels in result["envelope"].items():

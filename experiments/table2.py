@@ -14,16 +14,13 @@ import sys
 
 from mecefo.errors import guarded
 from mecefo.records import atomic_write_json, git_commit
+from mecefo.results import in_paper_order as in_order
 from mecefo.results import measurement, paper_numbers, quick_flag, read_measurement
 
 from .throughput import TIMED
 
 PAPER = paper_numbers()["table2_throughput_tokens_per_s"]
 MODELS = list(PAPER["rows"])  # the paper's order (results JSON is written with sorted keys)
-
-
-def in_order(d: dict) -> dict:
-    return {m: d[m] for m in MODELS if m in d} | {k: v for k, v in d.items() if k not in MODELS}
 
 
 PAPER_NAMES = {"MeCeFO": "mecefo", "Bamboo": "bamboo", "Oobleck": "oobleck"}
@@ -299,6 +296,8 @@ def decide_table2(result: dict, hyp_result: dict) -> dict:
             "baselines": baseline_rows(result), "fit_sentence": fit_sentence(result),
             "hypotheses": {"header": header, "rows": hyp_rows}, "technique_sets": {"header": tech_header, "rows": tech_rows},
             "sensitivity": result["sensitivity"], "verdict": verdict(result, hyp_result, t2),
+            "hypothesis_axes": {k: dict(zip(("label", "param", "unit", "log"), v)) for k, v in HYPOTHESES.items()},
+            "paper_policies": list(PAPER_NAMES.values()),  # the rows of the README's short table
             "sources": {"throughput": result["git_commit"], "hypotheses": hyp_result["git_commit"]},
             "git_commit": git_commit()}
 

@@ -13,11 +13,9 @@ import sys
 import matplotlib.pyplot as plt
 import numpy as np
 
-from experiments.goodput import LEVELS
-from experiments.goodput_envelope import READINGS, TOLERANCE
-from experiments.table2 import in_order
 from mecefo.errors import guarded
 from mecefo.stats import percent
+from mecefo.results import in_paper_order as in_order
 from mecefo.results import quick_flag, read_measurement
 
 from .common import plain_log_ticks, save_figure, style, write_block, write_table
@@ -44,7 +42,7 @@ def frontier_figure(result: dict):
     unmeasured = sorted({p for m in eff.values() for cells in m["levels"].values() for p, c in cells.items() if c["q"] is None})
     for ax, (model, m) in zip(np.atleast_1d(axes), eff.items()):
         labelled = set()
-        for level in LEVELS:
+        for level in result["levels"]:
             for p, c in m["levels"][level].items():
                 if c["q"] is None:
                     continue
@@ -103,7 +101,7 @@ def table(result: dict) -> list[str]:
     lines = ["| job | level | policy | throughput kept [95%] | q [95% over seeds] | goodput G [q's interval] | time to failure-free quality |",
              "|---|---|---|---|---|---|---|"]
     for model, m in in_order(result["effective"]).items():
-        for level, cells in ((lv, m["levels"][lv]) for lv in LEVELS):
+        for level, cells in ((lv, m["levels"][lv]) for lv in result["levels"]):
             for p, c in sorted(cells.items(), key=lambda pc: -pc[1].get("goodput", -1)):
                 if c["q"] is None:
                     lines.append(f"| {model} | {level} | `{p}` | {_pct(c['kept'])} {_range(c['kept_ci95'])} | not measured | | |")
@@ -123,7 +121,7 @@ def quality_table(result: dict) -> list[str]:
     ci = (lambda r: f"[{r[0]:.3f}, {r[1]:.3f}]" if np.isfinite(r[0]) else "(unbounded)")
     for name, measured in cohorts:
         for p, levels in measured.items():
-            for level, v in ((lv, levels[lv]) for lv in LEVELS if lv in levels):
+            for level, v in ((lv, levels[lv]) for lv in result["levels"] if lv in levels):
                 q = v.get("q_pooled", v.get("q"))
                 sf = v.get("steps_fraction")
                 sf_text = "" if sf is None else f"{sf['mean']:.3f} {ci(sf['ci95'])}{' (extrapolated)' if v.get('extrapolated') else ''}"
@@ -150,13 +148,13 @@ def _tied(names: list[str]) -> str:
     return _who(names) if len(names) <= 3 else f"{_who(names[:3])} and {len(names) - 3} more"
 
 
-def job_sentence(model: str, levels: dict) -> str:
+def job_sentence(model: str, levels: dict, order: list[str]) -> str:
     """One sentence for a job: the levels where one policy leads under every reading, grouped by policy; elsewhere
     which policy each reading puts ahead, or none (so the readings that decide it are named), levels with the same
-    answer said once. Who is tied with whom is in the table."""
+    answer said once (in `order`, the result's levels). Who is tied with whom is in the table."""
     robust: dict[str, list[str]] = {}
     open_: dict[tuple, list[str]] = {}
-    for level in LEVELS:
+    for level in order:
         v = levels[level]["verdict"]
         if v["leader"]:
             robust.setdefault(v["leader"], []).append(level)
@@ -174,12 +172,12 @@ def job_sentence(model: str, levels: dict) -> str:
 def answer(result: dict) -> str:
     """The README's answer: one sentence per job (job_sentence)."""
     readings = sorted({r for levels in result["envelope"].values() for e in levels.values() for r in e["by_reading"]},
-                      key=list(READINGS).index)
+                      key=result["readings"].index)
     return ("Which policy reaches the failure-free run's quality first (highest goodput G = throughput kept x q; \"leads\": "
-            f"its paired difference with every other policy is above 0 at 95% and not wholly within {TOLERANCE:g}%, under every "
+            f"its paired difference with every other policy is above 0 at 95% and not wholly within {result['tolerance']:g}%, under every "
             "reading of the throughput: "
             + ", ".join(readings) + " (paper: high only)): "
-            + " ".join(job_sentence(m, levels) for m, levels in in_order(result["envelope"]).items()))
+            + " ".join(job_sentence(m, levels, result["levels"]) for m, levels in in_order(result["envelope"]).items()))
 
 
 def _margin(c: dict) -> str:
@@ -203,10 +201,10 @@ def _margin(c: dict) -> str:
 
 
 def envelope_table(result: dict) -> list[str]:
-    readings = [r for r in READINGS if any(r in e["by_reading"] for lv in result["envelope"].values() for e in lv.values())]
+    readings = [r for r in result["readings"] if any(r in e["by_reading"] for lv in result["envelope"].values() for e in lv.values())]
     lines = ["| job | level | " + " | ".join(readings) + " | verdict |", "|---|---|" + "---|" * (len(readings) + 1)]
     for model, levels in in_order(result["envelope"]).items():
-        for level in LEVELS:
+        for level in result["levels"]:
             e = levels[level]
             cells = [_margin(e["by_reading"][r]) if r in e["by_reading"] else "" for r in readings]
             v = e["verdict"]
@@ -218,7 +216,7 @@ def envelope_table(result: dict) -> list[str]:
 def drop_paragraph(result: dict) -> str:
     r = result["drop_readings"]
     said = []
-    for lv in LEVELS:
+    for lv in result["levels"]:
         x = r[lv]
         if x["measured"] is None:
             continue
@@ -269,7 +267,7 @@ def map_answer(result: dict) -> str:
     clamped = sum(bool(p["clamped"]) for p in pts)
     led = sum(p["leads"] for p in pts)
     return (f"one policy leads in {led} of the map's {len(pts)} cells; the highest goodput, with those not separable from it "
-            f"(within noise or {TOLERANCE:g}%): " + "; ".join(said)
+            f"(within noise or {result['tolerance']:g}%): " + "; ".join(said)
             + (f"; MeCeFO's G is {min(mine):+.1f}% to {max(mine):+.1f}% against the best" if mine else "")
             + (f"; in {clamped} a q is held beyond the measured fractions" if clamped else "") + ".")
 
@@ -316,7 +314,7 @@ def map_figure(result: dict):
         ax.grid(False)
     axes[0][0].set_ylabel("a GPU's mean time between failures, h")
     fig.suptitle("Highest goodput, simulated 7B job (weak scaling): the best policies (not separable at 95% or within "
-                 f"{TOLERANCE:g}%), their margin over the next, MeCeFO against the best (*: q held beyond the measured)",
+                 f"{result['tolerance']:g}%), their margin over the next, MeCeFO against the best (*: q held beyond the measured)",
                  fontsize=8)
     fig.tight_layout()
     return fig
@@ -339,8 +337,8 @@ def report(result: dict) -> tuple[str, str]:
     c = result["comparability"]
     caveat = ("What the combination cannot match: the failed fractions of rank-steps, on the CPU (over the whole run, its "
               f"failure-free warm start counted: failures fill {100 * result.get('warm_share', 1):.0f}% of it) "
-              + ", ".join(f"{lv} {100 * c[lv]['cpu_failed_fraction']:.1f}%" for lv in LEVELS) + ", in the simulator (steady state) "
-              + ", ".join(f"{lv} {100 * c[lv]['simulated_failed_fraction']:.1f}%" for lv in LEVELS) + ".")
+              + ", ".join(f"{lv} {100 * c[lv]['cpu_failed_fraction']:.1f}%" for lv in result["levels"]) + ", in the simulator (steady state) "
+              + ", ".join(f"{lv} {100 * c[lv]['simulated_failed_fraction']:.1f}%" for lv in result["levels"]) + ".")
     section = "\n".join([
         intro, "", caveat, "", answer(result), "", *envelope_table(result), "", drop_paragraph(result), "",
         null_paragraph(result), "", *quality_table(result), "",

@@ -12,12 +12,10 @@ import json
 import sys
 
 from mecefo.errors import guarded
-from mecefo.results import RESULTS, measurement, paper_numbers, quick_flag
-from analysis.rate import POLICIES
+from mecefo.results import RESULTS, in_paper_order as in_order, measurement, paper_numbers, quick_flag
 
 from .common import ROOT, write_block, write_table
 from .sweep import COLD_ID, main_id
-from .throughput import in_order
 
 
 def _read(path):
@@ -85,14 +83,14 @@ def throughput(t2: dict | None, hyp: dict | None) -> list[str]:
 def goodput(result: dict | None) -> str:
     """Which policy a cluster should run: one sentence per job (paper_figures.goodput.job_sentence)."""
     if result is None:
-        return "- **Which policy a cluster should run (goodput):** no results/goodput/goodput-*.json yet (`python -m experiments.goodput`)."
+        return "- **Which policy a cluster should run (goodput):** no results/goodput/goodput-*.json yet (`python -m experiments.goodput_runs`, then `python -m experiments.goodput`)."
     from .goodput import job_sentence  # matplotlib only when there is a result to render
 
     return ("- **Which policy reaches failure-free quality first (goodput = throughput kept x quality per token, not in the "
             "paper; a policy \"leads\" only if it is ahead at 95%, and not only by less than 1%, under every reading of the "
             "throughput: simulated, fitted baselines, no barrier, spares for every policy, per provisioned GPU, the paper's "
             "drops; else what each reading gives; Results: goodput):** "
-            + " ".join(job_sentence(m, levels) for m, levels in in_order(result["envelope"]).items()))
+            + " ".join(job_sentence(m, levels, result["levels"]) for m, levels in in_order(result["envelope"]).items()))
 
 
 def theory(grad: dict | None, rate: dict | None) -> list[str]:
@@ -110,8 +108,8 @@ def theory(grad: dict | None, rate: dict | None) -> list[str]:
         if gpt:
             lines.append("- **The rate on the GPT** (from a trained checkpoint, two-halves estimate of the held-out gradient; fitted slope "
                          "against nT): " + "; ".join(f"{p} {f['unbiased']['slope']:+.3f} [{f['unbiased']['ci95'][0]:+.3f}, "
-                                                    f"{f['unbiased']['ci95'][1]:+.3f}]" for p, f in sorted(gpt["fits"].items(), key=lambda
-                                                    kv: POLICIES.index(kv[0])) if f["unbiased"]) + ". " + gpt["verdict"])
+                                                    f"{f['unbiased']['ci95'][1]:+.3f}]" for p, f in ((p, gpt["fits"][p]) for p in gpt["policies"])
+                                                    if f["unbiased"]) + ". " + gpt["verdict"])
     return lines
 
 

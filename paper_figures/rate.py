@@ -17,7 +17,6 @@ import seaborn as sns
 from mecefo.errors import guarded
 from mecefo.results import quick_flag, read_measurement
 
-from analysis.rate import POLICIES
 
 from .common import plain_log_ticks, save_figure, style, write_table
 
@@ -52,7 +51,7 @@ def gpt_table(gpt: dict) -> str:
              "| policy | slope of (1/T) sum ‖grad f(x_t)‖² against nT (held-out, unbiased), 95% interval | word | plug-in "
              "estimate's slope | slope of the excess over the start | on unseen training windows | held-out, in log n | "
              "held-out, in log T |", "|---|---|---|---|---|---|---|---|"]
-    for p in (p for p in POLICIES if p in gpt["fits"]):
+    for p in gpt["policies"]:
         f = gpt["fits"][p]
         two = f.get("n_and_T")
         lines.append(f"| {p} | {_slope(f['unbiased'])} | {f['unbiased']['word'] if f['unbiased'] else 'not fitted'} | "

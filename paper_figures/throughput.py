@@ -14,8 +14,8 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
 
-from experiments.table2 import HYPOTHESES, PAPER_NAMES, in_order
 from mecefo.errors import UsageError, guarded
+from mecefo.results import in_paper_order as in_order
 from mecefo.results import quick_flag, read_measurement
 from mecefo.simulator import BREAKDOWN
 
@@ -56,8 +56,9 @@ def sensitivity(t2: dict) -> list[str]:
     return _table(["variant", "alpha_1", "mecefo", "spread-mecefo", "drop", "oobleck"], rows)
 
 
-def hypothesis_figure(hyp: dict, key: str):
-    label, param, unit, log = HYPOTHESES[key]
+def hypothesis_figure(hyp: dict, key: str, axes: dict):
+    """One hypothesis swept (hyp: experiments.hypotheses' results per job; axes: table2's hypothesis_axes[key])."""
+    label, param, unit, log = axes["label"], axes["param"], axes["unit"], axes["log"]
     fig, ax = plt.subplots(figsize=(6, 3.8))
     colours = sns.color_palette("tab10", len(hyp))
     for (name, h), colour in zip(hyp.items(), colours):
@@ -126,8 +127,8 @@ def report(t2: dict) -> tuple[str, str]:
                      *sensitivity(t2), "\n## Verdict\n", t2["verdict"], f"\nSource: results/throughput, commits "
                      f"`{t2['sources']['throughput'][:12]}` (Table 2) and `{t2['sources']['hypotheses'][:12]}` (hypotheses).\n"])
     table = table2(t2)
-    section = "\n".join([head, "", *table[:2], *[line for line in table[2:] if any(f"| {p} |" in line for p in PAPER_NAMES.values())],
-                         "", *hyp_rows[:len(HYPOTHESES) + 3], "", t2["verdict"]])
+    section = "\n".join([head, "", *table[:2], *[line for line in table[2:] if any(f"| {p} |" in line for p in t2["paper_policies"])],
+                         "", *hyp_rows[:len(t2["hypothesis_axes"]) + 3], "", t2["verdict"]])
     return doc, section
 
 
@@ -142,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"ones here; rerun python -m experiments.table2{' --quick' if quick else ''}")
     doc, section = report(t2)
     paths = [write_table("throughput_table2", doc)]
-    for key in HYPOTHESES:
-        paths += save_figure(hypothesis_figure(in_order(hyp_result["hypotheses"]), key), f"throughput_{key.lower()}",
+    for key, axes in t2["hypothesis_axes"].items():
+        paths += save_figure(hypothesis_figure(in_order(hyp_result["hypotheses"]), key, axes), f"throughput_{key.lower()}",
                              committed=not quick and key in ("H1", "H3"))
     paths += save_figure(scaling_figure(result), "throughput_scaling")
     paths += save_figure(breakdown_figure(result), "throughput_breakdown")

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from experiments import goodput
+from experiments import goodput, goodput_runs
 from experiments import goodput_envelope as envelope
 from mecefo.stats import Noise
 from mecefo import policies
@@ -96,6 +96,7 @@ def _result(names, eff):
             "margin": {p: {"d": 1.0, "lo": 0.5, "hi": 1.5, "seeds": [0]} for p in names[1:]}}
     level = {"by_reading": {"simulated": lead, "spares": lead}, "verdict": {"leader": names[0], "outcomes": {names[0]: ["simulated", "spares"]}}}
     return {"effective": eff, "quality": {}, "transfer": {}, "null_control": {}, "noise": None, "n": 32, "profile": "test",
+            "levels": list(goodput.LEVELS), "readings": list(envelope.READINGS), "tolerance": envelope.TOLERANCE,
             "curves": {"0": {"lengths": [1, 2], "max_residual": 0.0}},
             "envelope": {"llama-7b": {lv: level for lv in goodput.LEVELS}},
             "drop_readings": {lv: {"measured": None} for lv in goodput.LEVELS},
@@ -241,7 +242,7 @@ def test_a_policy_leads_only_where_every_reading_agrees():
 
     levels = {"low": {"verdict": {"leader": "a", "outcomes": {}}}, "mid": {"verdict": {"leader": "a", "outcomes": {}}},
               "high": {"verdict": v}}
-    said = job_sentence("llama-7b", levels)
+    said = job_sentence("llama-7b", levels, ["low", "mid", "high"])
     assert said.startswith("**llama-7b**: `a` leads at low and mid under every reading; at high the reading decides")
     assert "`b` under no-barrier" in said and "no lead under spares" in said
 
@@ -277,7 +278,7 @@ def test_drop_is_trained_at_the_lost_fraction_it_is_read_at(target, level):
     recovery time."""
     from mecefo import failures
 
-    sc = failures.scenario(goodput.transfer_spec(level, target))
+    sc = failures.scenario(goodput_runs.transfer_spec(level, target))
     assert sc.recovery_h == failures.SCENARIOS[level].recovery_h
     assert sc.expected_failed_fraction() == pytest.approx(round(target, 3), rel=1e-5)
 

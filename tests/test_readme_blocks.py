@@ -73,3 +73,19 @@ def test_a_profile_not_run_here_keeps_its_committed_line():
     assert lines[0].startswith("- `bash run_all.sh --quick`: 5.0 min") and "from an empty results/" in lines[0]
     assert lines[1] == committed.strip()
     assert "No profile" in profile.summary({}, "")
+
+
+def test_figure_scripts_import_no_experiment_or_analysis_module():
+    """paper_figures/ only draws: what it needs beside the numbers (orders, labels, tolerances) comes with the results,
+    so a figure can never disagree with the experiment that decided it."""
+    import ast
+
+    from tests.conftest import ROOT
+
+    offenders = []
+    for path in sorted((ROOT / "paper_figures").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0] in ("experiments", "analysis")]
+    assert offenders == []

@@ -105,3 +105,10 @@ def sweep_index(quick: bool) -> Path:
 def paper_numbers() -> dict:
     """The paper's numbers (paper_figures/paper_numbers.json): every entry names its source table or figure."""
     return json.loads(PAPER_NUMBERS.read_text())
+
+
+def in_paper_order(d: dict) -> dict:
+    """d's entries keyed by the paper's jobs in Table 2's row order, then its other keys (results JSON is written with
+    sorted keys, so a dict read back has lost the order it was built in)."""
+    jobs = list(paper_numbers()["table2_throughput_tokens_per_s"]["rows"])
+    return {m: d[m] for m in jobs if m in d} | {k: v for k, v in d.items() if k not in jobs}
