@@ -19,6 +19,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -31,7 +32,7 @@ from mecefo.errors import UsageError
 from mecefo.model import GPT, preset
 from mecefo.neighbour import Techniques
 from mecefo.records import atomic_write_json, atomic_write_text, git_commit, read_jsonl
-from mecefo.train import run
+from mecefo.train import run, warm_config
 
 from .common import CONFIGS, RESULTS, default_jobs, guarded, in_parallel, run_dir
 
@@ -131,15 +132,35 @@ def last_evaluations_ppl(metrics: list[dict], k: int = LAST_EVALUATIONS) -> floa
     return math.exp(sum(losses[-k:]) / len(losses[-k:]))
 
 
+def warm_start(cfg) -> tuple[config_mod.Config, Path] | None:
+    """The config and folder of the warm start a cell shares with its seed's other cells (mecefo.train.warm_config,
+    stopped at cluster.failure_free_steps), or None where it trains from step 0: no failure-free steps, or a policy that
+    holds state at them (checkpoint-restart)."""
+    cc = cfg.cluster
+    if cc.failure_free_steps <= 0 or policies.get(cc.policy, trainer=True)(cc).state_dict():
+        return None
+    warm = warm_config(cfg)
+    return warm, run_dir("sweep/warm", warm)
+
+
+def train_warm_start(job: tuple) -> None:
+    """Train (or reuse) one warm start: its config's run stopped at its failure-free steps."""
+    warm, out = job
+    if not (out / "config.json").exists() or not (out / "checkpoint").exists():
+        run(warm, out, quiet=True, stop_after=warm.cluster.failure_free_steps)
+
+
 def run_cell(job: tuple[str, "Cell"]) -> dict:
-    """One cell's run (or its cached result): its index entry, with the error where it failed."""
+    """One cell's run (or its cached result): its index entry, with the error where it failed. A cell with a warm
+    start continues from it (trained by run_sweep first): equal to training it from step 0, tests/test_warm_start.py."""
     base, cell = job
     cfg = cell_config(base, cell)
     out = run_dir("sweep", cfg)
+    warm = warm_start(cfg)
     entry = {**cell.__dict__, "run": str(out.relative_to(RESULTS)), "config_hash": cfg.hash(),
-             "threads": torch.get_num_threads()}
+             "threads": torch.get_num_threads(), "warm_start": str(warm[1].relative_to(RESULTS)) if warm else None}
     try:
-        summary = run(cfg, out, quiet=True)
+        summary = run(cfg, out, quiet=True, warm_start=warm[1] if warm else None)
         entry["final_val_ppl"] = summary["final_val_ppl"]
         entry["val_ppl"] = run_ppl(out)
         entry["wall_time_s"] = summary["wall_time_s"]
@@ -155,6 +176,10 @@ def run_sweep(profile: str, extra: tuple[str, ...] = (), jobs: int = 1) -> dict:
     index: list[dict | None] = [None] * len(grid)
     bar = tqdm(total=len(grid), desc=f"sweep ({profile}, {jobs} at a time)", disable=not sys.stderr.isatty())
     t0 = time.perf_counter()
+    to_train = [cell_config(base, c) for c in grid if not (run_dir("sweep", cell_config(base, c)) / "summary.json").exists()]
+    warm = {folder: cfg for cfg, folder in filter(None, map(warm_start, to_train))}  # each warm start once
+    for _ in in_parallel(train_warm_start, [(cfg, folder) for folder, cfg in warm.items()], jobs):
+        pass  # the failure-free first steps, once per (n, seed)
     for done, (i, entry) in enumerate(in_parallel(run_cell, [(base, c) for c in grid], jobs), 1):
         index[i] = entry
         bar.update()

@@ -38,8 +38,9 @@ from .membership import REDO, STOP, LeftBehind
 from .model import GPT, count_parameters, preset
 from .neighbour import LowRankWgrad, Techniques
 from .plan import rank_flops
-from .records import atomic_write_json, git_commit, package_versions
-from .runfiles import CHECKPOINTING, EVALUATING, FINISHED, give_up, missing_folders, prepare_out, truncate_metrics
+from .records import atomic_write_json, atomic_write_text, git_commit, package_versions
+from .runfiles import (CHECKPOINTING, EVALUATING, FINISHED, RunFiles, give_up, missing_folders, prepare_out, read_config,
+                       truncate_metrics)
 from .runfolder import release_lock, take_lock
 from .timing import Clock
 
@@ -210,9 +211,10 @@ class Run:
         self.tokens_per_step = cfg.data.micro_batch_size * cfg.data.seq_len * cfg.data.grad_accum * cc.ranks
         self.metrics = None
 
-    def start(self, resume: bool) -> int | None:
-        """Resume from the run's checkpoint (rank 0 has decided that it exists) or start afresh, and join the
-        peers; returns the first step (None: the run finished before this process could join it)."""
+    def start(self, resume: bool, warm: Path | None = None) -> int | None:
+        """Resume from the run's checkpoint (rank 0 has decided that it exists), or start afresh (from the warm
+        start `warm` if given: warm_start), and join the peers; returns the first step (None: the run finished
+        before this process could join it)."""
         metrics_path, owner = self.files.metrics_path(), self.files.owns_out()
         start = 0
         if resume:
@@ -222,6 +224,9 @@ class Run:
             _log(f"resuming {self.out} from step {start}", self.quiet)
         elif owner and metrics_path.exists():
             metrics_path.unlink()
+        if warm is not None and not resume:
+            start = self.warm_start(warm)
+            _log(f"{self.out} starts at step {start}, the warm start {warm}", self.quiet)
         if owner:
             self.files.write_config(self.cfg)
         joined = self.membership.connect(self.components, start, self.engine)
@@ -232,6 +237,31 @@ class Run:
         if joined == 0:  # (a torchft replica that healed joined its peers' later step: no step-0 row)
             self.record({"step": 0, "val_loss": self.evaluate("val"), "tokens_seen": 0})
         return joined
+
+    def warm_start(self, warm: Path) -> int:
+        """Continue from the checkpoint of the run in folder `warm`, made by warm_config(cfg) and stopped at step W:
+        the model, the optimizer, the generators, the low-rank state and the counters at W, and its metrics rows up
+        to W. Equal to training steps 0 .. W - 1 here (tests/test_warm_start.py: bit for bit) where nothing that
+        warm_config neutralises acts before W: this run's failures all fall at W or later (checked) and its policy
+        holds no state at W (checked: checkpoint-restart's snapshot does). On the local backend (one process)."""
+        if self.cfg.cluster.backend != "local":
+            raise UsageError(f"a warm start is for the local backend, not cluster.backend={self.cfg.cluster.backend!r}")
+        theirs = config_mod.build(read_config(warm, "a run stopped at its warm start"))
+        if theirs.hash() != warm_config(self.cfg).hash():
+            raise UsageError(f"{warm} is not this run's warm start: its config differs in more than the failures, the "
+                             "policy, the techniques and the failable ranks")
+        path = RunFiles(warm, True).checkpoint_path()
+        ckpt = checkpoint.load(path, theirs.hash())
+        if ckpt["policy"] or self.policy.state_dict():
+            raise UsageError(f"cluster.policy={self.cfg.cluster.policy!r} holds state at a warm start: train from step 0")
+        if any(self.schedule.failed[s] for s in range(min(ckpt["step"], len(self.schedule.failed)))):
+            raise UsageError(f"the run's failures begin before its warm start's step {ckpt['step']}")
+        checkpoint.load_tensors(path, self.model, self.optimizer)
+        start = checkpoint.restore(ckpt, {k: c for k, c in self.components.items() if k != "policy"})
+        if self.files.owns_out():
+            rows = [line for line in (warm / "metrics.jsonl").read_text().splitlines() if line and json.loads(line)["step"] <= start]
+            atomic_write_text(self.files.metrics_path(), "".join(line + "\n" for line in rows))
+        return start
 
     def record(self, row: dict) -> None:
         if self.metrics:
@@ -395,9 +425,18 @@ class Run:
         return summary
 
 
+def warm_config(cfg: Config) -> Config:
+    """The config of cfg's warm start (cluster.failure_free_steps > 0: steps every policy of a seed trains alike):
+    cfg without what acts only once failures begin (no failures, the default policy, techniques and failable ranks).
+    Every cell of a sweep that differs only in those shares it (Run.warm_start)."""
+    return config_mod.with_overrides(cfg, cluster={"failures": "none", "policy": "mecefo", "techniques": "mecefo", "failable": ""})
+
+
 def run(cfg: Config, out: Path, resume: bool = False, stop_after: int | None = None, quiet: bool = False,
-        tensorboard: Path | None = None, **options) -> dict:
+        tensorboard: Path | None = None, warm_start: Path | None = None, **options) -> dict:
     """Train cfg for cfg.train.steps steps (or until stop_after, leaving a checkpoint) and return the summary.
+    warm_start: the folder of warm_config(cfg)'s run stopped at its warm start, to start from (Run.warm_start) where
+    OUT holds no checkpoint of its own.
     Every process of the run calls run(): under the torch backend every rank (rank 0 alone writes files and prints),
     under torchft every process of every replica (mecefo.ft.replica; options: the replica's, for its membership).
     Returns {"joined": False} where a torchft replica found the run finished before it could join it, and
@@ -433,7 +472,7 @@ def run(cfg: Config, out: Path, resume: bool = False, stop_after: int | None = N
             give_up(out, made)
         raise
     try:
-        start = training.start(decision["resume"])
+        start = training.start(decision["resume"], warm_start)
         if start is None:  # (a torchft replica: the run finished before it could join)
             return {"joined": False}
         end = min(cfg.train.steps, stop_after) if stop_after is not None else cfg.train.steps
