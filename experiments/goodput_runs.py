@@ -58,9 +58,11 @@ def extra_cells(prof: str, throughput: dict) -> list[tuple[str, str, "sweep.Cell
 
 
 def _train(job: tuple) -> dict:
-    """One run (or its cached summary): job = (config, folder); top-level, for in_parallel's processes."""
+    """One run (or its cached summary): job = (config, folder); top-level, for in_parallel's processes. A cell
+    continues from its seed's warm start where the sweep trained one (equal to training it from step 0)."""
     cfg, path = job
-    return run(cfg, path, quiet=True)
+    warm = sweep.warm_start(cfg)
+    return run(cfg, path, quiet=True, warm_start=warm[1] if warm and (warm[1] / "checkpoint").exists() else None)
 
 
 def train_extra(prof: str, throughput: dict) -> list[dict]:
