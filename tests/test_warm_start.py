@@ -15,7 +15,7 @@ from tests.conftest import metrics, model_params
 W = 4  # cluster.failure_free_steps: failures (Table 1's high scenario at 1 h per step) begin at step 4; V1 is refreshed
 # every 3 steps (low_rank_tau), so the low-rank state's step count at W matters, as the sweep's W = 100 with tau = 50
 CELLS = [("mecefo", "mecefo", ""), ("drop", "mecefo", ""), ("spread-mecefo", "mecefo", ""), ("ndb-exact", "mecefo", ""),
-         ("spread", "mecefo", ""), ("mecefo", "skip_attention", ""), ("drop", "mecefo", "0,1")]  # policy, techniques, failable
+         ("spread", "mecefo", ""), ("mecefo", "skip_attention", "0,1")]  # policy, techniques, failable
 TIMES = ("wall_time_s", "timing", "tokens_per_s")  # measured, not computed
 
 
