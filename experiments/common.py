@@ -33,10 +33,12 @@ def _one_thread() -> None:
 
 def in_parallel(fn: Callable, items: Iterable, jobs: int) -> Iterator[tuple[int, object]]:
     """(index, fn(item)) for every item, in the order they finish. jobs > 1: `jobs` spawned processes of one torch
-    thread each (fn and the items must pickle; an exception in fn is raised here); jobs = 1: here, in order, with
-    this process's threads."""
+    thread each, however few the items (so that every item of a run computes with the same threads; fn and the items
+    must pickle; an exception in fn is raised here); jobs = 1: here, in order, with this process's threads."""
     items = list(items)
-    if jobs <= 1 or len(items) <= 1:
+    if not items:
+        return
+    if jobs <= 1:
         for i, item in enumerate(items):
             yield i, fn(item)
         return

@@ -24,7 +24,7 @@ run's quality is 1/G times the failure-free time. The quality is measured on our
 simulated for the paper's jobs: the combination assumes that q at a failed fraction carries over from the small
 model to the paper's. q is read at each job's own fraction: the sweep's runs at the level for every policy, and
 for drop on TRANSFER_JOB (where a failed GPU takes its replica's samples) q read at the share of samples it loses
-there, between drop's runs: the level's and those trained here near that share (transfer_spec; drop_at); what
+there, between drop's runs: the level's and those experiments.goodput_runs trained near that share (transfer_spec; drop_at); what
 carrying the level's q per token or per step over would give instead is reported beside it (drop_readings). q's intervals use the seed-to-seed noise pooled over every trained
 cell (pooled_noise, Table 3's model); the null control (goodput_runs.NULL_CONTROL, exact, trained at high) must give q = 1
 within its interval. G under every reading of the throughput, the paired comparisons and the verdict:
@@ -54,6 +54,7 @@ from mecefo.stats import block_noise, interval_half_width
 from . import goodput_envelope as envelope_mod
 from . import goodput_sim
 from . import sweep
+from . import goodput_runs
 from .goodput_runs import LEVELS, REFERENCE, TRANSFER_JOB, lost_by_drop, transfer_spec
 from .throughput import PAPER_JOBS
 
@@ -95,7 +96,7 @@ def quality_of_runs(entries: list[dict], curves: dict[int, dict]) -> dict:
     for e in entries:
         if e["seed"] not in curves:
             raise UsageError(f"seed {e['seed']} of {e['policy']} at {e['level']} has no failure-free runs; "
-                             "rerun python -m experiments.sweep for this profile")
+                             "rerun python -m experiments.goodput_runs for this profile")
         one = run_quality(json.loads((RESULTS / e["run"] / "summary.json").read_text()), curves[e["seed"]])
         g = per.setdefault((e["policy"], e["level"]), {"seeds": [], "steps_fraction": [], "q": [], "failed_fraction": [],
                                                        "extrapolated": False})
@@ -363,9 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     throughput = read_measurement("throughput", "throughput", quick, "experiments.throughput")
     sim = read_measurement("throughput", "goodput_sim", quick, "experiments.goodput_sim")
     runs = read_measurement("goodput", "runs", quick, "experiments.goodput_runs")
-    if runs["throughput_sources_digest"] != throughput["sources_digest"]:
-        raise UsageError("results/goodput/runs was trained from another throughput simulation than the one here; rerun "
-                         f"python -m experiments.goodput_runs{' --quick' if quick else ''}")
+    if (runs["throughput_sources_digest"], runs.get("design")) != (throughput["sources_digest"], goodput_runs.design(prof)):
+        raise UsageError("results/goodput/runs was trained for another throughput simulation or sweep design than the ones "
+                         f"here; rerun python -m experiments.goodput_runs{' --quick' if quick else ''}")
     curves = {int(seed): fit(p) | {"points": p, "full_loss": p[-1]["val_loss"]} for seed, p in runs["curves"].items()}
     measured = quality(index, curves)
     extra = runs["extra"]

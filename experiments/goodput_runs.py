@@ -11,6 +11,7 @@ on rerun. Needs the sweep's index (its failure-free runs are the curves' longest
 
 from __future__ import annotations
 
+import json
 import sys
 
 from mecefo import config as config_mod
@@ -61,8 +62,7 @@ def _train(job: tuple) -> dict:
     """One run (or its cached summary): job = (config, folder); top-level, for in_parallel's processes. A cell
     continues from its seed's warm start where the sweep trained one (equal to training it from step 0)."""
     cfg, path = job
-    warm = sweep.warm_start(cfg)
-    return run(cfg, path, quiet=True, warm_start=warm[1] if warm and (warm[1] / "checkpoint").exists() else None)
+    return run(cfg, path, quiet=True, warm_start=sweep.trained_warm_start(cfg))
 
 
 def train_extra(prof: str, throughput: dict) -> list[dict]:
@@ -97,6 +97,13 @@ def failure_free_curves(prof: str) -> dict[int, list[dict]]:
     return {seed: sorted(points, key=lambda p: p["steps"]) for seed, points in curves.items()}
 
 
+def design(prof: str) -> dict:
+    """What the runs were chosen from beside the throughput simulation: the sweep's design and the lengths (as JSON
+    reads them back)."""
+    return json.loads(json.dumps({"sweep": sweep.DESIGNS[prof].__dict__, "lengths": LENGTHS[prof],
+                                  "null_control": NULL_CONTROL, "transfer_job": TRANSFER_JOB}))
+
+
 def main(argv: list[str] | None = None) -> int:
     quick = quick_flag(argv, __doc__)
     prof = profile(quick)
@@ -107,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     extra = train_extra(prof, throughput)
     path = measurement("goodput", "runs", quick)
     atomic_write_json(path, {"profile": prof, "curves": {str(seed): points for seed, points in curves.items()},
-                             "extra": extra, "throughput_sources_digest": throughput["sources_digest"],
+                             "extra": extra, "throughput_sources_digest": throughput["sources_digest"], "design": design(prof),
                              "git_commit": git_commit()})
     print(f"{sum(len(p) for p in curves.values())} failure-free points, {len(extra)} runs of goodput's own -> {path}")
     return 0

@@ -52,7 +52,7 @@ PER_RANK_BATCH = 4  # sequences of 64 tokens
 SECONDS_PER_STEP = 180.0  # Table 1's 2 h recovery = 40 steps
 EVAL_POINTS = 10  # K
 HELD_OUT_WINDOWS = 512  # W: of the validation split's 1921 windows of 64 tokens; two halves of 256
-QUICK_ESTIMATE = {"K": 4, "W": 128}  # --quick: the estimates (not the runs) were ~90% of its time at K = 10, W = 512
+QUICK_ESTIMATE = {"K": 4, "W": 256}  # --quick: the estimates (not the runs) were ~90% of its time at K = 10, W = 512
 REFERENCE_STEPS = {"quick": 300, "default": 2000}
 POLICIES = {"failure-free": ("none", "mecefo"), "drop": ("high", "drop"), "mecefo": ("high", "mecefo")}
 SOURCES = ("experiments/rate_gpt.py", "src/mecefo/train.py", "src/mecefo/cluster.py", "src/mecefo/neighbour.py",

@@ -6,7 +6,8 @@ Figure 3, with seeds): every cell is one training run on the same failure schedu
 
 Each run lands in results/sweep/<preset>-<config hash>/ (summary.json: resolved config, final validation
 loss and perplexity, wall time, commit; metrics.jsonl) and is reused on rerun; a run that fails is reported
-and the sweep goes on. results/sweep/index-<profile>.json lists the cells of the profile.
+and the sweep goes on. results/sweep/index-<profile>.json lists the cells of the profile. The failure-free first
+steps (cluster.failure_free_steps) that a seed's cells share are trained once, in results/sweep/warm/ (warm_start).
 --full writes the paper-scale torchrun commands to results/sweep/full_commands.sh after a dry run
 (configs resolve, shapes instantiate on the meta device); it trains nothing here.
 """
@@ -14,6 +15,7 @@ and the sweep goes on. results/sweep/index-<profile>.json lists the cells of the
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -145,10 +147,23 @@ def warm_start(cfg) -> tuple[config_mod.Config, Path] | None:
 
 
 def train_warm_start(job: tuple) -> None:
-    """Train (or reuse) one warm start: its config's run stopped at its failure-free steps."""
+    """Train (or reuse) one warm start: its config's run stopped at its failure-free steps, with the torch threads it
+    was trained with (OUT/threads.json; bit equality with a cell trained from step 0 holds at equal threads). A failure
+    is reported and its cells train from step 0."""
     warm, out = job
-    if not (out / "config.json").exists() or not (out / "checkpoint").exists():
-        run(warm, out, quiet=True, stop_after=warm.cluster.failure_free_steps)
+    if (out / "threads.json").exists():
+        return
+    try:
+        run(warm, out, resume=(out / "checkpoint").exists(), quiet=True, stop_after=warm.cluster.failure_free_steps)
+        atomic_write_json(out / "threads.json", {"threads": torch.get_num_threads()})
+    except Exception:
+        traceback.print_exc()
+
+
+def trained_warm_start(cfg) -> Path | None:
+    """The folder of cfg's warm start where one was trained (run_sweep: where cells to train share it), else None."""
+    warm = warm_start(cfg)
+    return warm[1] if warm is not None and (warm[1] / "threads.json").exists() else None
 
 
 def run_cell(job: tuple[str, "Cell"]) -> dict:
@@ -157,12 +172,15 @@ def run_cell(job: tuple[str, "Cell"]) -> dict:
     base, cell = job
     cfg = cell_config(base, cell)
     out = run_dir("sweep", cfg)
-    warm = warm_start(cfg)
-    warm = warm if warm is not None and (warm[1] / "checkpoint").exists() else None  # (trained where cells share it)
     entry = {**cell.__dict__, "run": str(out.relative_to(RESULTS)), "config_hash": cfg.hash(),
-             "threads": torch.get_num_threads(), "warm_start": str(warm[1].relative_to(RESULTS)) if warm else None}
+             "threads": torch.get_num_threads(), "warm_start": None}
     try:
-        summary = run(cfg, out, quiet=True, warm_start=warm[1] if warm else None)
+        summary = run(cfg, out, quiet=True, warm_start=trained_warm_start(cfg))
+        warm = summary.get("warm_start")  # (a cached run: as it was trained, from its warm start or from step 0)
+        if warm:  # (its folder named under results/sweep/warm/, wherever results/ was when it ran)
+            threads = RESULTS / "sweep" / "warm" / Path(warm["run"]).name / "threads.json"
+            entry["warm_start"] = {"run": f"sweep/warm/{Path(warm['run']).name}", "step": warm["step"],
+                                   "threads": json.loads(threads.read_text())["threads"] if threads.exists() else None}
         entry["final_val_ppl"] = summary["final_val_ppl"]
         entry["val_ppl"] = run_ppl(out)
         entry["wall_time_s"] = summary["wall_time_s"]

@@ -359,7 +359,7 @@ def report(result: dict) -> tuple[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     quick = quick_flag(argv, __doc__)
-    result = read_measurement("goodput", "goodput", quick, "experiments.goodput")
+    result = read_measurement("goodput", "goodput", quick, "experiments.goodput", keys=("levels", "readings", "tolerance"))
     style()
     doc, section = report(result)
     paths = [write_table("goodput", doc)]

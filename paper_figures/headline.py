@@ -11,15 +11,21 @@ from __future__ import annotations
 import json
 import sys
 
-from mecefo.errors import guarded
+from mecefo.errors import UsageError, guarded
 from mecefo.results import RESULTS, in_paper_order as in_order, measurement, paper_numbers, quick_flag
 
 from .common import ROOT, write_block, write_table
 from .sweep import COLD_ID, main_id
 
 
-def _read(path):
-    return json.loads(path.read_text()) if path.exists() else None
+def _read(path, *keys: str):
+    """The result at path (None: not there yet); a UsageError where it lacks one of `keys` (an older version wrote it)."""
+    if not path.exists():
+        return None
+    result = json.loads(path.read_text())
+    if missing := [k for k in keys if k not in result]:
+        raise UsageError(f"{path} lacks {', '.join(missing)} (an older version wrote it); rerun its experiment")
+    return result
 
 
 def pct(r: dict) -> str:
@@ -105,6 +111,8 @@ def theory(grad: dict | None, rate: dict | None) -> list[str]:
                      "theory −1/2): " + "; ".join(f"{p} {f['slope']:.3f} [{f['ci95'][0]:.3f}, {f['ci95'][1]:.3f}]"
                                                 for p, f in fits.items()) + ".")
         gpt = rate.get("gpt_rate")
+        if gpt and "policies" not in gpt:
+            raise UsageError("results/analysis/rate lacks gpt_rate.policies (an older analysis.rate wrote it); rerun it")
         if gpt:
             lines.append("- **The rate on the GPT** (from a trained checkpoint, two-halves estimate of the held-out gradient; fitted slope "
                          "against nT): " + "; ".join(f"{p} {f['unbiased']['slope']:+.3f} [{f['unbiased']['ci95'][0]:+.3f}, "
@@ -205,9 +213,9 @@ def answers(quick: bool) -> str:
     """The readings behind the table, one paragraph per answer (docs/results.md)."""
     profile = "quick" if quick else "default"
     t3 = _read(RESULTS / "sweep" / f"table3-{profile}.json")
-    lines = [quality(t3), *throughput(_read(measurement("throughput", "table2", quick)),
+    lines = [quality(t3), *throughput(_read(measurement("throughput", "table2", quick), "paper_policies"),
                                       _read(measurement("throughput", "hypotheses", quick))),
-             goodput(_read(measurement("goodput", "goodput", quick))),
+             goodput(_read(measurement("goodput", "goodput", quick), "levels")),
              *theory(_read(measurement("analysis", "grad_error", quick)), _read(measurement("analysis", "rate", quick)))]
     return "\n".join(lines) + "\n"
 
@@ -261,7 +269,7 @@ def claims(quick: bool) -> list[tuple[str, str, str, str, str]]:
             rows.append(("Figure 3: skipping attention in the backward pass against skipping the FFN (perplexity, high)",
                          paper["figure3_skip"]["claim"], f"{pct(fig3)} ({fig3['pairs']} seeds)", agreement(fig3, -1),
                          WHERE["table3"]))
-    t2 = _read(measurement("throughput", "table2", quick))
+    t2 = _read(measurement("throughput", "table2", quick), "paper_policies")
     if t2 is not None:
         for name, w in in_order(t2["mecefo"]).items():
             rows.append((f"Table 2: MeCeFO's throughput drop under high failures, {name} (32 A100s, simulated here)",
@@ -301,7 +309,7 @@ def claims(quick: bool) -> list[tuple[str, str, str, str, str]]:
         rows.append(("Not in the paper (simulated failures only): real process deaths on torchft, random schedules",
                      "-", f"{n} schedules ({chaos['profile']} profile): {lost} lost, {bad} with an invariant violated",
                      "survived" if not lost and not bad else "not all survived", WHERE["chaos"]))
-    gp = _read(measurement("goodput", "goodput", quick))
+    gp = _read(measurement("goodput", "goodput", quick), "levels")
     if gp is not None:
         parts = []
         for model, levels in in_order(gp["envelope"]).items():

@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
-from mecefo.errors import guarded
+from mecefo.errors import UsageError, guarded
 from mecefo.results import quick_flag, read_measurement
 
 
@@ -88,7 +88,11 @@ def figures(result: dict, committed: bool = False) -> list:
 
 def main(argv: list[str] | None = None) -> int:
     quick = quick_flag(argv, __doc__)
-    for p in figures(read_measurement("analysis", "rate", quick, "analysis.rate"), committed=not quick):
+    result = read_measurement("analysis", "rate", quick, "analysis.rate")
+    if result.get("gpt_rate") and "policies" not in result["gpt_rate"]:
+        raise UsageError(f"results/analysis/rate lacks gpt_rate.policies (an older analysis.rate wrote it); run python -m "
+                         f"analysis.rate{' --quick' if quick else ''} again")
+    for p in figures(result, committed=not quick):
         print(f"wrote {p}")
     return 0
 

@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     result = read_measurement("throughput", "throughput", quick, "experiments.throughput")
     hyp_result = read_measurement("throughput", "hypotheses", quick, "experiments.hypotheses")
     style()
-    t2 = read_measurement("throughput", "table2", quick, "experiments.table2")
+    t2 = read_measurement("throughput", "table2", quick, "experiments.table2", keys=("hypothesis_axes", "paper_policies"))
     if t2["sources"] != {"throughput": result["git_commit"], "hypotheses": hyp_result["git_commit"]}:
         raise UsageError("results/throughput/table2 was decided from other throughput or hypotheses results than the "
                          f"ones here; rerun python -m experiments.table2{' --quick' if quick else ''}")

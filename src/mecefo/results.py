@@ -37,14 +37,19 @@ def quick_flag(argv: list[str] | None, description: str) -> bool:
     return parser.parse_args(argv).quick
 
 
-def read_measurement(experiment: str, name: str, quick: bool, producer: str) -> dict:
-    """results/<experiment>/<name>-<profile>.json, or a UsageError naming the module that writes it."""
+def read_measurement(experiment: str, name: str, quick: bool, producer: str, keys: tuple[str, ...] = ()) -> dict:
+    """results/<experiment>/<name>-<profile>.json, or a UsageError naming the module that writes it (also where the
+    file lacks one of `keys`: an older version of that module wrote it)."""
     from .errors import UsageError
 
     path = measurement(experiment, name, quick)
     if not path.exists():
         raise UsageError(f"no {path}; run python -m {producer}{' --quick' if quick else ''} first")
-    return json.loads(path.read_text())
+    result = json.loads(path.read_text())
+    if missing := [k for k in keys if k not in result]:
+        raise UsageError(f"{path} lacks {', '.join(missing)} (an older python -m {producer} wrote it); run "
+                         f"python -m {producer}{' --quick' if quick else ''} again")
+    return result
 
 
 def load_config(name: str, **overrides):

@@ -210,6 +210,7 @@ class Run:
             "rng": checkpoint.RNG(), "lowrank": self.lowrank, "policy": self.policy, "progress": self.progress}
         self.tokens_per_step = cfg.data.micro_batch_size * cfg.data.seq_len * cfg.data.grad_accum * cc.ranks
         self.metrics = None
+        self.warm = None  # where the run started from another's warm start: its folder and step
 
     def start(self, resume: bool, warm: Path | None = None) -> int | None:
         """Resume from the run's checkpoint (rank 0 has decided that it exists), or start afresh (from the warm
@@ -258,6 +259,7 @@ class Run:
             raise UsageError(f"the run's failures begin before its warm start's step {ckpt['step']}")
         checkpoint.load_tensors(path, self.model, self.optimizer)
         start = checkpoint.restore(ckpt, {k: c for k, c in self.components.items() if k != "policy"})
+        self.warm = {"run": str(warm), "step": start}
         if self.files.owns_out():
             rows = [line for line in (warm / "metrics.jsonl").read_text().splitlines() if line and json.loads(line)["step"] <= start]
             atomic_write_text(self.files.metrics_path(), "".join(line + "\n" for line in rows))
@@ -413,7 +415,8 @@ class Run:
             "replayed_steps": self.policy.replayed_steps, "skipped_steps": p.skipped_steps,
             "skipped_fraction": p.skipped_steps / tc.steps, "rank_agreement": agreement,
             "failure_schedule": {"fraction_failed": self.schedule.fraction_failed(), "events": self.schedule.failure_events()},
-            "wall_time_s": p.wall_time_s, "timing": self.clock.summary(), "device": str(self.device), "git_commit": git_commit(),
+            "wall_time_s": p.wall_time_s, "warm_start": self.warm,
+            "timing": self.clock.summary(), "device": str(self.device), "git_commit": git_commit(),
             "packages": package_versions(), "backend": {"name": self.cfg.cluster.backend, **self.membership.summary_extras(digest)},
         }
         atomic_write_json(path, summary)
