@@ -1,3 +1,9 @@
+import os
+
+# pyproject's addopts run the tests two at a time (-n 2, pytest-xdist): one thread each, for torch and for the children
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import gzip
 import json
 
@@ -14,6 +20,9 @@ def nano_cfg():
     """The nano test config, shortened; individual tests override further."""
     return config_mod.load(CONFIGS / "nano.toml", {"steps": "20", "eval_every": "10"})
 
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -37,12 +37,13 @@ def reference_gradient(samples: np.ndarray) -> Reference:
     return Reference(samples.mean(axis=0), float(np.sqrt(var / k)), k)
 
 
-def _moments(gram: np.ndarray, counts: np.ndarray, ref_norm: float) -> dict[str, float]:
-    """The statistics of a (re)sample from the Gram matrix of the errors D_k = g~_k - g (K x K) and the
-    multiplicity of each draw: bias^2 = ||mean D||^2, variance = (sum ||D_k||^2 - K ||mean D||^2) / (K - 1)."""
+def _moments(counts: np.ndarray, weighted_sq: float, norms_sq: np.ndarray, ref_norm: float) -> dict[str, float]:
+    """The statistics of a (re)sample of the errors D_k = g~_k - g from the multiplicity c_k of each draw,
+    weighted_sq = ||sum_k c_k D_k||^2 and norms_sq = (||D_k||^2)_k: bias^2 = ||mean D||^2,
+    variance = (sum ||D_k||^2 - K ||mean D||^2) / (K - 1)."""
     k = counts.sum()
-    bias_sq = max(float(counts @ gram @ counts) / k ** 2, 0.0)
-    sq = float(counts @ np.diag(gram))
+    bias_sq = max(weighted_sq / k ** 2, 0.0)
+    sq = float(counts @ norms_sq)
     variance = max((sq - k * bias_sq) / (k - 1), 0.0)
     bias = bias_sq ** 0.5
     return {"bias": bias, "bias_sq_debiased": bias_sq - variance / k, "variance": variance, "mse": sq / k,
@@ -52,8 +53,8 @@ def _moments(gram: np.ndarray, counts: np.ndarray, ref_norm: float) -> dict[str,
 def estimator_stats(draws: np.ndarray, ref: np.ndarray, groups: dict[str, slice] | None = None,
                     n_boot: int = 500, level: float = 0.95, seed: int = 0) -> dict:
     """Bias, relative bias, variance and MSE of K draws (K x d) against ref (d), each with a percentile
-    bootstrap interval (resampling the draws), overall and per group of coordinates. Works on the K x K
-    Gram matrix of the errors, so the bootstrap costs O(K^2) per replicate whatever d is."""
+    bootstrap interval (resampling the draws), overall and per group of coordinates. A replicate costs O(K min(K, d)):
+    on the errors themselves where a group has fewer coordinates d than draws K, else on their K x K Gram matrix."""
     draws = np.asarray(draws)
     ref = np.asarray(ref, dtype=draws.dtype if draws.dtype.kind == "f" else np.float64)
     if draws.ndim != 2 or len(draws) < 2:
@@ -65,10 +66,18 @@ def estimator_stats(draws: np.ndarray, ref: np.ndarray, groups: dict[str, slice]
     out = {}
     for name, sl in {"all": slice(None), **(groups or {})}.items():
         err = (draws[:, sl] - ref[sl]).astype(np.float64)
-        gram = err @ err.T
+        norms_sq = np.einsum("ij,ij->i", err, err)
+        if err.shape[1] < k:
+            def weighted_sq(c, err=err):
+                return float(np.square(c @ err).sum())
+        else:
+            gram = err @ err.T
+
+            def weighted_sq(c, gram=gram):
+                return float(c @ gram @ c)
         ref_norm = float(np.linalg.norm(ref[sl].astype(np.float64)))
-        point = _moments(gram, np.ones(k), ref_norm)
-        boot = [_moments(gram, c, ref_norm) for c in resamples]
+        point = _moments(np.ones(k), weighted_sq(np.ones(k)), norms_sq, ref_norm)
+        boot = [_moments(c, weighted_sq(c), norms_sq, ref_norm) for c in resamples]
         out[name] = {key: {"value": v, "ci": [float(np.quantile([b[key] for b in boot], lo)),
                                               float(np.quantile([b[key] for b in boot], hi))]} for key, v in point.items()}
     return out
