@@ -4,7 +4,8 @@
 #   bash run_all.sh            the CPU reproduction (the time of each step: docs/profiles.md)
 #   bash run_all.sh --quick    the CI-sized profile (minutes on 2 CPU cores)
 #   bash run_all.sh --full     the default plus what does not fit its hour: the chaos harness's default profile,
-#                              slow heals, seeds 3-7 of the deciding Table 3 rows, the variance decomposition
+#                              slow heals, seeds 3-7 of the deciding Table 3 rows, the variance decomposition,
+#                              the neighbour at llama-7b's layer shape
 #                              (--long is the same profile under its old name)
 # Each command's wall time is appended to results/run_all/times-<profile>.jsonl (paper_figures.profile reads it).
 set -euo pipefail
@@ -50,6 +51,8 @@ t python -m experiments.table3 $quick    # verdicts from every sweep index resul
 if [ -n "$quick$full" ]; then t python -m experiments.variance $quick; fi
 
 step "cluster-scale throughput simulation (the paper's Table 2, its hypotheses, and 32 to 100k GPUs)"
+# first the neighbour's time against its FLOPs at the layer shapes of llama-350m, 1b (--full: and 7b), Table 2's c by time
+t python -m experiments.bench_neighbour $quick $full
 t python -m experiments.throughput $quick
 t python -m experiments.hypotheses $quick
 t python -m experiments.table2 $quick   # the words and derived tables of Table 2, decided from the two above
@@ -69,12 +72,11 @@ step "neighbour cost ablation (the paper's Table 6) and the randomized SVD of V1
 t python -m experiments.ablation $quick
 t python -m experiments.svd_accuracy $quick
 
-step "benchmarks: the training step, ranks, torchft, the Hugging Face adapter, the neighbour at the paper's shapes"
+step "benchmarks: the training step, ranks, torchft, the Hugging Face adapter, the V1 refresh"
 t python -m experiments.bench_train $quick
 t python -m experiments.bench_ranks $quick
 t python -m experiments.bench_ft $quick
 t python -m experiments.bench_adapter $quick   # the techniques on a Hugging Face Llama (mecefo.adapter)
-t python -m experiments.bench_neighbour $quick # the neighbour's time against its FLOPs at 350m/1b/7b layer shapes
 t python -m experiments.bench_refresh $quick   # the V1 refresh shared among torch ranks against computed by each
 [ -n "$full" ] && t python -m experiments.bench_heal   # slow heals on torchft (4 runs)
 [ -n "$full" ] && t python -m experiments.bench_jobs   # two runs at once (one thread each) against one after the other

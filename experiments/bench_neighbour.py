@@ -2,8 +2,9 @@
 and llama-7b (width D, FFN width F, heads; T = 2048 tokens, one sequence), forward and backward from a fixed upstream
 gradient, on this CPU: a normal micro-batch, and a failed one under each technique alone and the three together.
 
-    python -m experiments.bench_neighbour [--quick] [--heap retain|system]
-                                          (--quick: tiny and small shapes, T = 256, for CI)
+    python -m experiments.bench_neighbour [--quick | --full] [--heap retain|system]
+            default: llama-350m's and llama-1b's layers; --full: and llama-7b's (~15 min more on 2 cores);
+            --quick: the tiny and small presets' layers at T = 256, for CI
 
 For each shape and technique set: the time ratio to the normal micro-batch (the median over rounds, the settings
 alternating within each round), the FLOP ratio (mecefo.costs' closed forms: attention and FFN of a layer), their
@@ -16,7 +17,8 @@ is the host's, the neighbour's micro-batch against a normal one. cluster.neighbo
 micro-batch (two sequences, the three techniques) as one pass against one pass each, at every shape and in the proxy.
 Writes results/bench/neighbour-<profile>.json
 (--heap system: neighbour-<profile>-system-heap.json), with c at Table 2's jobs by FLOPs and, where the layer shape
-was measured, by time (paper_figures.neighbour shows both).
+was measured, by time (paper_figures.neighbour shows both; experiments.throughput and the figures read the full
+profile's file where it exists, else the default's: mecefo.results.neighbour_bench).
 
 --heap retain (the default) keeps freed memory in the process (retain_heap), as a GPU's caching allocator does;
 --heap system leaves glibc's default, under which every activation of these shapes is page-faulted anew each time.
@@ -56,6 +58,10 @@ class Before(Neighbour):
         if self.techniques.recompute_ffn:
             return checkpoint(block.ffn_sublayer, h, project, use_reentrant=False)
         return block.ffn_sublayer(h, project)
+# (preset, tokens T, blocks, rounds, rounds of own + failed) of each profile
+PROFILES = {"quick": [("tiny", 256, 2, 5, 3), ("small", 256, 2, 5, 3)],
+            "default": [("llama-350m", 2048, 2, 9, 5), ("llama-1b", 2048, 1, 7, 3)]}
+PROFILES["full"] = PROFILES["default"] + [("llama-7b", 2048, 1, 5, 3)]
 TAU, R = 50, 0.125  # the V1 refresh interval and width of the paper's runs (Table 4: tau 50 steps; r D/8)
 
 
@@ -248,15 +254,17 @@ def retain_heap() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the CI-sized profile")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="the CI-sized profile")
+    size.add_argument("--full", action="store_true", help="llama-7b's layer too")
     parser.add_argument("--heap", choices=("retain", "system"), default="retain",
                         help="retain: freed memory stays in the process, as a GPU's caching allocator (default); "
                              "system: glibc's default")
     args = parser.parse_args(argv)
     quick = args.quick
     heap = "retain" if args.heap == "retain" and retain_heap() else "system"
-    shapes = [("tiny", 256, 2, 5, 3), ("small", 256, 2, 5, 3)] if quick else \
-        [("llama-350m", 2048, 2, 9, 5), ("llama-1b", 2048, 1, 7, 3), ("llama-7b", 2048, 1, 5, 3)]
+    profile = "quick" if quick else "full" if args.full else "default"
+    shapes = PROFILES[profile]
     results = []
     for name, tokens, blocks, rounds, pair_rounds in shapes:
         results.append(measure(name, tokens, blocks, rounds, pair_rounds))
@@ -267,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     host = host_overhead(9 if quick else 21)
     readings = c_readings({r["preset"]: r for r in results})
     print(f"host overhead of a neighbour micro-batch (width 8, 4 tokens): {host['ratio']:.2f}x a normal one")
-    path = RESULTS / "bench" / f"neighbour-{'quick' if quick else 'default'}{'' if args.heap == 'retain' else '-system-heap'}.json"
+    path = RESULTS / "bench" / f"neighbour-{profile}{'' if args.heap == 'retain' else '-system-heap'}.json"
     atomic_write_json(path, {"shapes": results, "host_overhead": host, "c": readings, "threads": torch.get_num_threads(),
                              "heap": heap,
                              "git_commit": git_commit(), "packages": package_versions()})

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import asdict, replace
+from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
@@ -18,7 +19,7 @@ from tqdm import tqdm
 from mecefo.failures import SCENARIOS, FailureScenario, Schedule, export_trace
 from mecefo.records import atomic_write_json, git_commit, stable_hash
 from mecefo.policies import simulator_policies
-from mecefo.results import measurement, reusable, sources_digest, quick_flag
+from mecefo.results import measurement, neighbour_bench, reusable, sources_digest, quick_flag
 from mecefo.simulator import CostModel, Job, ci95, mtbf, scenario_failures, simulate
 
 from .common import RESULTS, guarded
@@ -43,12 +44,11 @@ VARIANTS = {"oobleck (rejoin at next failure)": ("oobleck", {"oobleck_rejoin": "
 
 FITTED = "bamboo (reconfiguration fitted on 7B)"
 TIMED = "mecefo (c by time)"
-BENCH = RESULTS / "bench" / "neighbour-default.json"  # experiments.bench_neighbour at Table 2's layer shapes
-
-
-def time_readings(path=BENCH) -> dict:
+def time_readings(path: Path | None = None) -> dict:
     """model -> the MeCeFO techniques' time / FLOP quotient that experiments.bench_neighbour measured at the model's
-    layer shapes (its default profile; {} where it has not run), with the commit that measured it."""
+    layer shape (its full profile's where it has run, else its default's: mecefo.results.neighbour_bench; {} where
+    neither has), with the commit that measured it."""
+    path = path or neighbour_bench(quick=False)
     if not path.exists():
         return {}
     import json

@@ -12,7 +12,7 @@ import json
 import sys
 
 from mecefo.errors import UsageError, guarded
-from mecefo.results import RESULTS, in_paper_order as in_order, measurement, paper_numbers, quick_flag
+from mecefo.results import RESULTS, in_paper_order as in_order, measurement, neighbour_bench, paper_numbers, quick_flag
 
 from .common import ROOT, write_block, write_table
 from .sweep import COLD_ID, main_id
@@ -293,7 +293,7 @@ def claims(quick: bool) -> list[tuple[str, str, str, str, str]]:
             rows.append(("Theorem 1 on the GPT (momentum SGD from a trained checkpoint, held-out gradient)",
                          f"{theory_slope:+.1f}", _ci(g["slope"], *g["ci95"], "+.3f", ""), slope_verdict(*g["ci95"], theory_slope),
                          WHERE["analysis"]))
-    nb = _read(RESULTS / "bench" / f"neighbour-{profile}.json")
+    nb = _read(neighbour_bench(profile == "quick"))
     if nb is not None:
         shape = nb["shapes"][-1]
         v = shape["sets"]["mecefo"]

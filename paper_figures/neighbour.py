@@ -1,6 +1,6 @@
 """The neighbour's cost where Table 2 is decided: FLOP c of each technique set at Table 2's jobs (exact count), and the
-time against the FLOPs at the layer shapes of llama-350m, 1b and 7b on this CPU (results/bench/neighbour-<profile>.json,
-written by python -m experiments.bench_neighbour). Writes paper_figures/out/neighbour.md and, for the default profile,
+time against the FLOPs at the layer shapes of llama-350m and 1b (and 7b: its --full profile) on this CPU
+(results/bench/neighbour-<profile>.json, written by python -m experiments.bench_neighbour). Writes paper_figures/out/neighbour.md and, for the default profile,
 the README's block.
 
     python -m paper_figures.neighbour [--quick]
@@ -13,7 +13,7 @@ import json
 import sys
 
 from mecefo.errors import UsageError, guarded
-from mecefo.results import RESULTS
+from mecefo.results import RESULTS, neighbour_bench, profile
 
 from .common import write_block, write_table
 
@@ -91,11 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
-    path = RESULTS / "bench" / f"neighbour-{'quick' if args.quick else 'default'}.json"
+    path = neighbour_bench(args.quick)
     if not path.exists():
         raise UsageError(f"{path} does not exist; run python -m experiments.bench_neighbour{' --quick' if args.quick else ''} first")
     system = path.with_name(path.stem + "-system-heap.json")
-    refresh = path.with_name(path.name.replace("neighbour-", "refresh-"))
+    refresh = RESULTS / "bench" / f"refresh-{profile(args.quick)}.json"
     text = section(json.loads(path.read_text()), json.loads(system.read_text()) if system.exists() else None,
                    json.loads(refresh.read_text()) if refresh.exists() else None)
     paths = [write_table("neighbour", text + "\n")]

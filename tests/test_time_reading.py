@@ -55,3 +55,18 @@ def test_the_verdict_names_the_timed_drop_only_where_it_was_measured():
     text = timed_sentence(row)
     assert "c = 0.801" in text and "x 1.062" in text and "`bbbbbbbbbbbb`" in text and "40.00% [39.00, 41.00]" in text
     assert timed_sentence({"high": {"mecefo": {}}}) == ""
+
+
+def test_the_full_profiles_bench_is_read_where_it_has_run(tmp_path, monkeypatch):
+    """experiments.bench_neighbour --full (llama-7b's layer too) supersedes the default's file for Table 2's time
+    reading and the figures; the quick profile reads its own."""
+    from mecefo import results
+
+    monkeypatch.setattr(results, "RESULTS", tmp_path)
+    assert results.neighbour_bench(False) == tmp_path / "bench" / "neighbour-default.json"
+    _bench(tmp_path, {"llama-350m": 1.05})
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "neighbour-default.json").rename(tmp_path / "bench" / "neighbour-full.json")
+    assert results.neighbour_bench(False) == tmp_path / "bench" / "neighbour-full.json"
+    assert time_readings()["llama-350m"]["time_over_flop"] == 1.05
+    assert results.neighbour_bench(True) == tmp_path / "bench" / "neighbour-quick.json"

@@ -28,6 +28,16 @@ def profile(quick: bool) -> str:
     return "quick" if quick else "default"
 
 
+def neighbour_bench(quick: bool) -> Path:
+    """experiments.bench_neighbour's result: the quick profile's; else the full profile's (the layer shapes of all three
+    of Table 2's models) where it has run, or the default's (llama-350m's and llama-1b's)."""
+    bench = RESULTS / "bench"
+    if quick:
+        return bench / "neighbour-quick.json"
+    full = bench / "neighbour-full.json"
+    return full if full.exists() else bench / "neighbour-default.json"
+
+
 def quick_flag(argv: list[str] | None, description: str) -> bool:
     """The --quick flag of an experiment, analysis or figure CLI (the only option most of them take)."""
     import argparse
