@@ -42,6 +42,7 @@ from mecefo.stats import log_points
 
 from .throughput import FITTED, PAPER_JOBS, VARIANTS
 
+LEVELS = ("low", "mid", "high")  # Table 1's failure levels that goodput compares at
 READINGS = ("simulated", "fitted", "no-barrier", "spares", "provisioned", "paper")
 REFERENCE = "mecefo"  # whose failure-free throughput is the job's (no failure: every policy trains alike)
 PAPER_SYSTEMS = {"mecefo": "MeCeFO", "bamboo": "Bamboo", "oobleck": "Oobleck"}  # Table 2's columns

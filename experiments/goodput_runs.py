@@ -23,10 +23,9 @@ from mecefo.train import run
 
 from . import sweep
 from .common import default_jobs, in_order
-from .goodput_envelope import REFERENCE
+from .goodput_envelope import LEVELS, REFERENCE
 
 LENGTHS = {"quick": (30, 40, 50), "default": (200, 240, 270)}  # besides the sweep's own length (60, 300)
-LEVELS = ("low", "mid", "high")
 NULL_CONTROL = "spread"  # exact: trained through the same pipeline, its q must be 1 within its interval
 TRANSFER_JOB = "llama-7b"  # the job whose failed GPU takes its replica's samples under drop (4 pipeline stages)
 

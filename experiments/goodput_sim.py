@@ -25,9 +25,9 @@ from mecefo.records import atomic_write_json, git_commit
 from mecefo.results import SIMULATOR_SOURCES, measurement, quick_flag, read_measurement, reusable, sources_digest
 
 from .common import default_jobs, guarded, in_order
+from .goodput_envelope import LEVELS
 from .throughput import PAPER_JOBS, run_cell
 
-LEVELS = ("low", "mid", "high")
 SOURCES = SIMULATOR_SOURCES + ("experiments/goodput_sim.py",)
 # the leader map's axes: GPUs, a GPU's mean time between failures (hours; Llama 3 405B: about 16,384 x 3 h), and
 # the hours a failed GPU stays down (Table 1: 2-4 h)

@@ -196,7 +196,7 @@ def run_sweep(profile: str, extra: tuple[str, ...] = (), jobs: int = 1) -> dict:
     index: list[dict | None] = [None] * len(grid)
     bar = tqdm(total=len(grid), desc=f"sweep ({profile}, {jobs} at a time)", disable=not sys.stderr.isatty())
     t0 = time.perf_counter()
-    to_train = [cell_config(base, c) for c in grid if not (run_dir("sweep", cell_config(base, c)) / "summary.json").exists()]
+    to_train = [cfg for cfg in (cell_config(base, c) for c in grid) if not (run_dir("sweep", cfg) / "summary.json").exists()]
     starts = [w for w in map(warm_start, to_train) if w is not None]
     shared = {folder: cfg for cfg, folder in starts if sum(f == folder for _, f in starts) > 1}  # (alone: no gain)
     for _ in in_parallel(train_warm_start, [(cfg, folder) for folder, cfg in shared.items()], jobs):

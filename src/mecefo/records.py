@@ -44,10 +44,10 @@ SUMMARY = {
     "rank_agreement": "ranks compared at the end and whether they hold the same state",
     "failure_schedule": "fraction of rank-steps failed and failure events (torchft: as they happened)",
     "wall_time_s": "seconds of training (torchft: of the launch, the replicas' start-up included; a warm-started run: "
-    "its warm start's included)",
+    "its warm start's steps included, not the warm start's evaluation at its last step, which a run from step 0 counts)",
     "warm_start": "the run's warm start (mecefo.train.run(warm_start=)): its folder and step; null: trained from step 0",
     "timing": "seconds by phase over the run and each phase's share (torchft: over the committed rows; each replica "
-    "process's own under backend.replica_timing)", "device": "torch device", "git_commit": "the code's commit",
+    "process's own under backend.replica_timing; a warm-started run: the steps after its warm start)", "device": "torch device", "git_commit": "the code's commit",
     "packages": "package versions", "backend": "name, and backend-specific entries (torchft: kills, timings)"}
 
 
