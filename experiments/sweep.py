@@ -68,7 +68,7 @@ class Design:
 
 DESIGNS = {
     "quick": Design("sweep-quick", 4, (1, 2, 4), 2, 2, 2),
-    "default": Design("sweep", 32, (1, 2, 4, 8, 16, 32), 2, 3, 8, others=False),  # within run_all's 90 min
+    "default": Design("sweep", 32, (1, 2, 4, 8, 16, 32), 2, 3, 8, others=False),  # its time: docs/profiles.md
     "long": Design("sweep", 32, (1, 2, 4, 8, 16, 32), 2, 8, 8, n_seeds=3),
 }
 FREQUENCIES = (2, 4)  # the higher-frequency rows: high's interval and recovery divided by k (same ratio, 1:4)
