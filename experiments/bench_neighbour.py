@@ -58,6 +58,8 @@ class Before(Neighbour):
         if self.techniques.recompute_ffn:
             return checkpoint(block.ffn_sublayer, h, project, use_reentrant=False)
         return block.ffn_sublayer(h, project)
+
+
 # (preset, tokens T, blocks, rounds, rounds of own + failed) of each profile
 PROFILES = {"quick": [("tiny", 256, 2, 5, 3), ("small", 256, 2, 5, 3)],
             "default": [("llama-350m", 2048, 2, 9, 5), ("llama-1b", 2048, 1, 7, 3)]}
